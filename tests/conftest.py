@@ -1,0 +1,8 @@
+"""Test set-up: eight simulated CPU devices, configured before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
