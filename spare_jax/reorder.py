@@ -1,0 +1,380 @@
+"""Adaptive reordering: give every (shard, micro-batch) of a step to one live holder.
+
+When groups die, their shards' micro-batches must be computed by surviving
+holders. SPMD steps wait for the busiest group, so the cost of a step is the
+maximum load `L` (micro-batches computed by one group). `assign` returns the
+assignment that minimises `L` exactly (policy "adaptive"), or the fixed-order
+baseline that hands each shard whole to its first live holder (policy "fixed").
+
+Ring placements (cyclic, strided, domain-aware stacking) are solved in O(G)
+vectorised passes per candidate load:
+
+* the optimum is the Hall bound over contiguous shard intervals of each ring
+    (DESIGN.md section 3), found by bisection on `L` with a prefix-minimum test;
+* a load `L` is reached by a sweep against the ring direction in which each
+    group takes, first-in first-out, the work its upper neighbours could not
+    finish, then its own shard, up to `L`. The carried work obeys a Lindley
+    recursion `c = max(0, c_prev + m - cap)`; two laps of a cumulative sum give
+    its periodic solution, and it is feasible iff the carry never exceeds
+    `(r - 1) * m` (older work would be past its last holder).
+
+Other placements go through max-flow (scipy's csgraph) with a bisection on the
+load. Replication is special: every live member computes its set's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+import scipy.sparse
+import scipy.sparse.csgraph
+
+from spare_jax.placement import Placement
+
+__all__ = [
+        "Assignment",
+        "Interruption",
+        "POLICIES",
+        "alive_mask",
+        "assign",
+        "max_load",
+        "uncovered",
+]
+
+POLICIES = ("adaptive", "fixed")
+
+
+class Interruption(Exception):
+    """Some shard has no live holder: the step cannot be completed exactly."""
+
+    def __init__(self, uncovered_shards: np.ndarray):
+        self.uncovered = np.asarray(uncovered_shards, dtype=np.int64)
+        shown = ", ".join(str(s) for s in self.uncovered[:10])
+        more = f" (+{self.uncovered.size - 10} more)" if self.uncovered.size > 10 else ""
+        super().__init__(
+                f"interruption: {self.uncovered.size} shard(s) have no live holder: {shown}{more}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Assignment:
+    """One step's work: who computes which micro-batch, in which order.
+
+    Attributes:
+        placement: the placement solved.
+        alive: bool [G] live mask.
+        microbatches: m, micro-batches per failure-free group.
+        policy: "adaptive" or "fixed".
+        owner: int [S, shard_units * m] group whose computation of each micro-batch
+            counts toward the gradient.
+        loads: int [G] micro-batches each group computes (replication's redundant
+            copies included).
+        max_load: the step's cost in micro-batches, `loads.max()`.
+        work: int32 [G, max_load, 2] each group's slots in walking order as
+            (stack position, micro-batch within that shard); -1 marks empty slots.
+        counted: bool [G, max_load] whether a slot's gradient counts (False for
+            empty slots and for replication's redundant copies).
+    """
+
+    placement: Placement
+    alive: np.ndarray
+    microbatches: int
+    policy: str
+    owner: np.ndarray
+    loads: np.ndarray
+    max_load: int
+    work: np.ndarray
+    counted: np.ndarray
+
+    @property
+    def overhead(self) -> float:
+        """Computation overhead: max load over the failure-free load m."""
+        return self.max_load / self.microbatches
+
+    def padded(self, slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """`work` and `counted` padded with empty slots to a compiled slot bound."""
+        if slots < self.max_load:
+            raise ValueError(f"slots={slots} is below max_load={self.max_load}")
+        pad = slots - self.max_load
+        work = np.pad(self.work, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+        return work, np.pad(self.counted, ((0, 0), (0, pad)))
+
+
+def alive_mask(groups: int, dead: Iterable[int] = ()) -> np.ndarray:
+    """Bool [groups] mask with `dead` group ids set False."""
+    mask = np.ones(groups, dtype=bool)
+    dead_ids = np.fromiter(dead, dtype=np.int64)
+    if dead_ids.size and (dead_ids.min() < 0 or dead_ids.max() >= groups):
+        raise ValueError(f"dead group ids must lie in [0, {groups}), got {dead_ids.tolist()}")
+    mask[dead_ids] = False
+    return mask
+
+
+def _check(placement: Placement, alive: np.ndarray, microbatches: int,
+                      policy: str) -> np.ndarray:
+    alive = np.asarray(alive)
+    if alive.shape != (placement.groups,) or alive.dtype != bool:
+        raise ValueError(
+                f"alive must be a bool array of shape ({placement.groups},), "
+                f"got {alive.dtype} {alive.shape}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) \
+            or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return alive
+
+
+def uncovered(placement: Placement, alive: np.ndarray) -> np.ndarray:
+    """Shard ids with no live holder (empty when the step can run)."""
+    alive = np.asarray(alive, dtype=bool)
+    return np.flatnonzero(~alive[placement.holders_table].any(axis=1))
+
+
+def _raise_if_interrupted(placement: Placement, alive: np.ndarray) -> None:
+    missing = uncovered(placement, alive)
+    if missing.size:
+        raise Interruption(missing)
+
+
+# ---------------------------------------------------------------- ring placements
+
+
+def _longest_dead_run(alive2d: np.ndarray) -> int:
+    """Longest circular run of dead positions over all rings."""
+    n = alive2d.shape[1]
+    twice = np.concatenate([alive2d, alive2d], axis=1)
+    idx = np.arange(2 * n)
+    last_live = np.maximum.accumulate(np.where(twice, idx, -1), axis=1)
+    return int(min((idx - last_live).max(initial=0), n)) if n else 0
+
+
+def _hall_feasible(alive2d: np.ndarray, r: int, m: int, load: int) -> bool:
+    """True iff every contiguous shard interval of every ring fits under `load`.
+
+    Interval [a, b] of ring positions (unrolled over two laps) is held by groups
+    [a - r + 1, b]; the test m (b - a + 1) <= load * live[a - r + 1, b] is
+    m (b + 1) - load * PA[b + r] <= m a - load * PA[a] with PA the prefix count
+    of live groups on the unrolled ring. Longer unrolled intervals are implied by
+    shorter ones plus the whole-ring test.
+    """
+    n = alive2d.shape[1]
+    a = alive2d.astype(np.int64)
+    if np.any(n * m > load * a.sum(axis=1)):
+        return False
+    unrolled = np.concatenate([a[:, n - (r - 1):], a, a], axis=1) if r > 1 else \
+            np.concatenate([a, a], axis=1)
+    prefix = np.concatenate([np.zeros((a.shape[0], 1), np.int64), np.cumsum(unrolled, axis=1)], 1)
+    b = np.arange(2 * n)
+    u = m * (b + 1) - load * prefix[:, b + r]
+    v = m * np.arange(n) - load * prefix[:, :n]
+    best_start = np.minimum.accumulate(v, axis=1)
+    return bool(np.all(u <= best_start[:, np.minimum(b, n - 1)]))
+
+
+def _ring_bounds(alive2d: np.ndarray, m: int) -> tuple[int, int]:
+    n = alive2d.shape[1]
+    live = alive2d.sum(axis=1)
+    lower = max(m, int(np.max(-(-n * m // live))))
+    upper = m * (1 + _longest_dead_run(alive2d))
+    return lower, max(lower, upper)
+
+
+def _ring_optimal_load(alive2d: np.ndarray, r: int, m: int) -> int:
+    lo, hi = _ring_bounds(alive2d, m)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _hall_feasible(alive2d, r, m, mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _ring_carry(alive2d: np.ndarray, m: int, load: int) -> np.ndarray:
+    """Periodic carry after each group, in sweep order (positions n-1 down to 0).
+
+    Returns int [rings, n + 1]: column 0 is the carry entering the lap.
+    """
+    n = alive2d.shape[1]
+    cap = np.where(alive2d[:, ::-1], load, 0).astype(np.int64)
+    step = m - np.concatenate([cap, cap], axis=1)
+    total = np.cumsum(step, axis=1)
+    carry = total - np.minimum.accumulate(np.minimum(total, 0), axis=1)
+    return carry[:, n - 1:]
+
+
+def _ring_assign(p: Placement, alive: np.ndarray, m: int, load: int):
+    rings = p.rings
+    n_rings, n = rings.shape
+    r = p.redundancy
+    carry = _ring_carry(alive[rings], m, load)
+    if carry.max() > (r - 1) * m:
+        raise AssertionError(f"sweep infeasible at the Hall-optimal load {load}: bug")
+    c_in = carry[:, :1]
+    sweep = np.arange(n)
+    taken = c_in + (sweep + 1) * m - carry[:, 1:]
+    start = np.concatenate([np.zeros((n_rings, 1), np.int64), taken[:, :-1]], axis=1)
+    take = taken - start
+    k = np.arange(load)
+    valid = k[None, None, :] < take[:, :, None]
+    unit = start[:, :, None] + take[:, :, None] - 1 - k[None, None, :]
+    lap_unit = (unit - c_in[:, :, None]) % (n * m)
+    shard_sweep = lap_unit // m
+    micro = m - 1 - lap_unit % m
+    stack_pos = (sweep[None, :, None] - shard_sweep) % n
+    if np.any(stack_pos[valid] >= r):
+        raise AssertionError("sweep assigned work beyond its holders: bug")
+    group = rings[:, ::-1]
+    shard = np.take_along_axis(group, shard_sweep.reshape(n_rings, -1), axis=1).reshape(
+            shard_sweep.shape)
+    work = np.full((p.groups, load, 2), -1, dtype=np.int32)
+    work[group.ravel(), :, 0] = np.where(valid, stack_pos, -1).reshape(-1, load)
+    work[group.ravel(), :, 1] = np.where(valid, micro, -1).reshape(-1, load)
+    owner = np.full((p.shards, m), -1, dtype=np.int64)
+    owner_group = np.broadcast_to(group[:, :, None], valid.shape)
+    owner[shard[valid], micro[valid]] = owner_group[valid]
+    loads = np.zeros(p.groups, dtype=np.int64)
+    loads[group.ravel()] = take.ravel()
+    return owner, loads, work
+
+
+# ---------------------------------------------------------------- any placement
+
+
+def _first_live_holder(p: Placement, alive: np.ndarray) -> np.ndarray:
+    live = alive[p.holders_table]
+    return p.holders_table[np.arange(p.shards), np.argmax(live, axis=1)]
+
+
+def _flow_graph(p: Placement, alive: np.ndarray, units: int, load: int):
+    s, g = p.shards, p.groups
+    src, sink = 0, s + g + 1
+    shard_ids = np.repeat(np.arange(s), p.redundancy)
+    holders = p.holders_table.ravel()
+    keep = alive[holders]
+    rows = np.concatenate([np.zeros(s, np.int64), 1 + shard_ids[keep], 1 + s + np.arange(g)])
+    cols = np.concatenate([1 + np.arange(s), 1 + s + holders[keep], np.full(g, sink)])
+    caps = np.concatenate([np.full(s, units), np.full(keep.sum(), units),
+                                                  np.where(alive, load, 0)]).astype(np.int32)
+    graph = scipy.sparse.csr_array((caps, (rows, cols)), shape=(sink + 1, sink + 1))
+    return scipy.sparse.csgraph.maximum_flow(graph, src, sink, method="dinic")
+
+
+def _flow_optimal_load(p: Placement, alive: np.ndarray, m: int):
+    units = p.shard_units * m
+    total = p.shards * units
+    first = _first_live_holder(p, alive)
+    lo = max(m, -(-total // int(alive.sum())))
+    hi = max(lo, int(np.bincount(first, minlength=p.groups).max()) * units)
+    best = None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        result = _flow_graph(p, alive, units, mid)
+        if result.flow_value == total:
+            hi, best = mid, result
+        else:
+            lo = mid + 1
+    if best is None:
+        best = _flow_graph(p, alive, units, lo)
+    return lo, best
+
+
+def _owner_from_flow(p: Placement, flow) -> np.ndarray:
+    s = p.shards
+    f = scipy.sparse.coo_array(flow.flow)
+    edge = (f.row >= 1) & (f.row <= s) & (f.col > s) & (f.col <= s + p.groups) & (f.data > 0)
+    shard, group, amount = f.row[edge] - 1, f.col[edge] - 1 - s, f.data[edge]
+    order = np.lexsort((group, shard))
+    owners = np.repeat(group[order], amount[order])
+    return owners.reshape(s, -1)
+
+
+def _work_from_owner(p: Placement, alive: np.ndarray, owner: np.ndarray):
+    """Loads, slots and counted flags from an owner table; slots in stack order."""
+    s, units = owner.shape
+    shard = np.repeat(np.arange(s), units)
+    micro = np.tile(np.arange(units), s)
+    counted_owner = owner.ravel()
+    if p.duplicate_work:
+        holders = p.holders_table[shard]
+        live = alive[holders]
+        shard, micro = np.repeat(shard, live.sum(1)), np.repeat(micro, live.sum(1))
+        group = holders[live]
+        counted = group == np.repeat(counted_owner, live.sum(1))
+    else:
+        group, counted = counted_owner, np.ones(counted_owner.shape, bool)
+    hit = p.holders_table[shard] == group[:, None]
+    position = p.holder_positions[shard, np.argmax(hit, axis=1)]
+    order = np.argsort((group * p.depth + position) * units + micro, kind="stable")
+    group, position, micro, counted = group[order], position[order], micro[order], counted[order]
+    loads = np.bincount(group, minlength=p.groups)
+    top = int(loads.max())
+    starts = np.concatenate([[0], np.cumsum(loads)[:-1]])
+    slot = np.arange(group.size) - starts[group]
+    work = np.full((p.groups, top, 2), -1, dtype=np.int32)
+    work[group, slot, 0] = position
+    work[group, slot, 1] = micro
+    flags = np.zeros((p.groups, top), dtype=bool)
+    flags[group, slot] = counted
+    return loads, work, flags
+
+
+# ---------------------------------------------------------------- public API
+
+
+def max_load(placement: Placement, alive: np.ndarray, microbatches: int = 1,
+                          policy: str = "adaptive") -> int:
+    """The step's maximum load in micro-batches, without building the assignment.
+
+    Raises:
+        Interruption: some shard has no live holder.
+    """
+    alive = _check(placement, alive, microbatches, policy)
+    _raise_if_interrupted(placement, alive)
+    m = int(microbatches)
+    units = placement.shard_units * m
+    if placement.duplicate_work:
+        return units
+    if policy == "fixed":
+        first = _first_live_holder(placement, alive)
+        return int(np.bincount(first, minlength=placement.groups).max()) * units
+    if placement.rings is not None:
+        return _ring_optimal_load(alive[placement.rings], placement.redundancy, m)
+    return _flow_optimal_load(placement, alive, m)[0]
+
+
+def assign(placement: Placement, alive: np.ndarray, microbatches: int = 1,
+                      policy: str = "adaptive") -> Assignment:
+    """Assign every (shard, micro-batch) to exactly one live holder.
+
+    Args:
+        placement: who holds which shard.
+        alive: bool [G] live mask.
+        microbatches: m, micro-batches per shard in failure-free units.
+        policy: "adaptive" minimises the maximum load exactly; "fixed" gives each
+            shard whole to its first live holder in stack order.
+
+    Raises:
+        Interruption: some shard has no live holder (never a partial assignment).
+    """
+    alive = _check(placement, alive, microbatches, policy)
+    _raise_if_interrupted(placement, alive)
+    m = int(microbatches)
+    units = placement.shard_units * m
+    if placement.duplicate_work or policy == "fixed":
+        owner = np.repeat(_first_live_holder(placement, alive)[:, None], units, axis=1)
+        loads, work, counted = _work_from_owner(placement, alive, owner)
+    elif placement.rings is not None:
+        load = _ring_optimal_load(alive[placement.rings], placement.redundancy, m)
+        owner, loads, work = _ring_assign(placement, alive, m, load)
+        counted = work[:, :, 0] >= 0
+    else:
+        _, flow = _flow_optimal_load(placement, alive, m)
+        owner = _owner_from_flow(placement, flow)
+        loads, work, counted = _work_from_owner(placement, alive, owner)
+    alive = alive.copy()
+    for array in (owner, loads, work, counted, alive):
+        array.setflags(write=False)
+    return Assignment(placement, alive, m, policy, owner, loads, int(loads.max()), work, counted)
