@@ -20,6 +20,8 @@ vectorised passes per candidate load:
 
 Other placements go through max-flow (scipy's csgraph) with a bisection on the
 load. Replication is special: every live member computes its set's shard.
+For a live set that shrinks one failure at a time, `spare_jax.incremental`
+updates the maximum load in microseconds instead of re-solving.
 """
 
 from __future__ import annotations
