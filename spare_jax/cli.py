@@ -43,5 +43,8 @@ def run(main: Callable[[list[str]], None]) -> None:
             main(argv)
         except app.UsageError as error:
             fail(str(error))
+        except BrokenPipeError:  # output piped into `head` and the like
+            sys.stderr.close()
+            os._exit(0)
 
     app.run(guarded, flags_parser=_parse)

@@ -73,6 +73,10 @@ class Scenario:
     # (a failed group re-joins after mttr_hours without a global restart).
     repair: str = "restart"
     mttr_hours: float = 4.0
+    # Fixed cost of one extra micro-batch per step, as a fraction of the step's
+    # compute (0: micro-batches are free, the analysis's default assumption; no
+    # published figure for this cost was found, so it is a sweep parameter).
+    microbatch_overhead: float = 0.0
 
     @property
     def groups(self) -> int:
@@ -95,7 +99,8 @@ class Scenario:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("checkpoint_s", "checkpoint_async_stall_s", "restart_s_ref",
-                                  "restart_exponent", "domain_groups", "domain_failure_fraction"):
+                                  "restart_exponent", "domain_groups", "domain_failure_fraction",
+                                  "microbatch_overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.gpus % self.gpus_per_group:

@@ -1,0 +1,35 @@
+"""Closed forms for SPARe, replication and checkpoint/restart; time-to-train and its optimiser.
+
+Public API (DESIGN.md sections 3-4): `survival`, `endurable_failures`,
+`endurable_failures_asymptotic`, `mean_time_to_interruption`, `overhead`,
+`young`, `daly`, `time_to_train` -> `Estimate`, `optimise` -> `Plan`.
+"""
+
+from spare_jax.analysis.checkpointing import daly, exact_optimum, young
+from spare_jax.analysis.endurance import (
+    STRATEGIES,
+    endurable_failures,
+    endurable_failures_asymptotic,
+    mean_time_to_interruption,
+    survival,
+)
+from spare_jax.analysis.overhead_model import adaptive_max_load, overhead
+from spare_jax.analysis.planner import TTT_STRATEGIES, Estimate, Plan, optimise, time_to_train
+
+__all__ = [
+    "STRATEGIES",
+    "TTT_STRATEGIES",
+    "Estimate",
+    "Plan",
+    "adaptive_max_load",
+    "daly",
+    "endurable_failures",
+    "endurable_failures_asymptotic",
+    "exact_optimum",
+    "mean_time_to_interruption",
+    "optimise",
+    "overhead",
+    "survival",
+    "time_to_train",
+    "young",
+]
