@@ -1,0 +1,60 @@
+"""Mesh axes, group numbering, sharding rules and placements on the mesh."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from spare_jax import mesh as mesh_lib
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (8, 1, 1), (1, 4, 2)])
+def test_group_id_is_data_major_and_spans_the_model_axis(shape):
+    mesh = mesh_lib.make_mesh(shape)
+    groups = mesh_lib.num_groups(mesh)
+    assert groups == shape[0] * shape[1]
+    assert mesh.axis_names == mesh_lib.AXES
+    x = jax.device_put(np.arange(groups), mesh_lib.group_sharding(mesh))
+    devices = np.asarray(mesh.devices)
+    for g in range(groups):
+        d, r = mesh_lib.group_coords(g, mesh)
+        assert g == d * shape[1] + r
+        for dev in devices[d, r, :]:  # every device of the group along "model" holds row g
+            shard = next(s for s in x.addressable_shards if s.device == dev)
+            assert np.asarray(shard.data).tolist() == [g]
+
+
+def test_make_mesh_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        mesh_lib.make_mesh((4, 2, 2))
+    with pytest.raises(ValueError, match="three positive"):
+        mesh_lib.make_mesh((2, 2))
+    with pytest.raises(IndexError):
+        mesh_lib.group_coords(4, mesh_lib.make_mesh((2, 2, 2)))
+
+
+def test_logical_rules():
+    assert mesh_lib.logical_spec(["embed", "mlp"]) == PartitionSpec(None, "model")
+    assert mesh_lib.logical_spec(["heads", "head_dim", "embed"]) == PartitionSpec(
+        "model", None, None
+    )
+    assert mesh_lib.logical_spec(["groups"]) == PartitionSpec(("data", "redundancy"))
+    with pytest.raises(KeyError):
+        mesh_lib.logical_spec(["nonsense"])
+
+
+def test_placements_on_the_mesh():
+    mesh = mesh_lib.make_mesh((2, 2, 2))
+    rings = mesh_lib.placement_for("spare", mesh, 2)
+    # One ring per data coordinate, along the redundancy axis.
+    assert rings.rings.tolist() == [[0, 1], [2, 3]]
+    assert rings.stacks.tolist() == [[0, 1], [1, 0], [2, 3], [3, 2]]
+    # r > R: the whole machine is one ring.
+    whole = mesh_lib.placement_for("spare", mesh, 3)
+    assert whole.rings.tolist() == [[0, 1, 2, 3]]
+    rep = mesh_lib.placement_for("replication", mesh, 2)
+    assert rep.stacks.ravel().tolist() == [0, 0, 1, 1] and rep.shard_units == 2
+    dp = mesh_lib.placement_for("dp", mesh, 5)
+    assert dp.redundancy == 1 and dp.stacks.ravel().tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="unknown strategy"):
+        mesh_lib.placement_for("raid", mesh, 2)
