@@ -35,7 +35,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         f"{_early_host_devices(sys.argv)}"
     ).strip()
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -90,42 +90,17 @@ flags.DEFINE_integer(
 INTERRUPTED_EXIT = 3
 
 
-def _one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if len(lines) <= 1:
-        return lines[0] if lines else type(error).__name__
-    return f"{lines[0]} {lines[-1]}"
-
-
-def _parse(argv: list[str]) -> list[str]:
-    """absl parsing, where config-file errors (any exception type) also exit 2 on one line."""
-    try:
-        return flags.FLAGS(argv)
-    except SystemExit:  # absl exits 1 after printing --help; asking for help is no error
-        if any(
-            a.split("=")[0] in ("--help", "-h", "-?", "--helpshort", "--helpfull") for a in argv
-        ):
-            sys.exit(0)
-        raise
-    except (AttributeError, KeyError) as error:  # --config.x=... naming no field
-        cli.fail(f"bad --config override: no config field {str(error).strip(chr(34))}")
-    except Exception as error:
-        cli.fail(_one_line(error))
-        raise  # unreachable
-
-
 def _config() -> object:
     try:
         config = _CONFIG.value
         config.get("steps")  # a config file that failed to load raises on first access
         return config
     except (OSError, AttributeError, KeyError, ValueError) as error:
-        cli.fail(f"cannot load --config: {_one_line(error)}")
+        cli.fail(f"cannot load --config: {cli.one_line(error)}")
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv
     config = _config()
     for name, flag in (
         ("strategy", _STRATEGY),
@@ -193,12 +168,5 @@ def main(argv: list[str]) -> None:
     )
 
 
-def _guarded(argv: list[str]) -> None:
-    try:
-        main(argv)
-    except app.UsageError as error:
-        cli.fail(str(error))
-
-
 if __name__ == "__main__":
-    app.run(_guarded, flags_parser=_parse)
+    cli.run(main)

@@ -1,8 +1,9 @@
 """Command-line plumbing shared by the experiment binaries.
 
 `run(main)` is `absl.app.run` with one rule for bad input: a single line on
-stderr and exit status 2, whether the flag fails to parse, a validator rejects
-it, or `main` raises `app.UsageError`.
+stderr and exit status 2, whether a flag fails to parse, a validator rejects
+it, an ml_collections config file or `--config.x` override is bad, or `main`
+raises `app.UsageError`. `--help` exits 0.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
-__all__ = ["USAGE_EXIT", "fail", "run"]
+__all__ = ["USAGE_EXIT", "fail", "one_line", "run"]
 
 USAGE_EXIT = 2
 
@@ -25,12 +26,31 @@ def fail(message: str) -> None:
     sys.exit(USAGE_EXIT)
 
 
+def one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(error).__name__
+    return f"{lines[0]} {lines[-1]}"
+
+
+_HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
 def _parse(argv: list[str]) -> list[str]:
+    """absl parsing where every bad flag, config file or override exits 2 on one line."""
     try:
         return flags.FLAGS(argv)
+    except SystemExit:  # absl exits 1 after printing --help; asking for help is no error
+        if any(a.split("=")[0] in _HELP for a in argv):
+            sys.exit(0)
+        raise
     except flags.Error as error:
-        fail(str(error))
-        raise  # unreachable: fail() exits
+        fail(one_line(error))
+    except (AttributeError, KeyError) as error:  # --config.x=... naming no field
+        fail(f"bad --config override: no config field {str(error).strip(chr(34))}")
+    except Exception as error:  # a config file that fails to load
+        fail(one_line(error))
+    raise AssertionError("unreachable: fail() exits")
 
 
 def run(main: Callable[[list[str]], None]) -> None:
