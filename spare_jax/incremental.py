@@ -124,5 +124,5 @@ class LoadTracker:
                 return
             carry[idx] = new
             incoming, start, done, size = new[-1], (start - size) % n, done + size, 2 * size
-        self._load = reorder.max_load(self.placement, self._alive, m, self.policy)
+        self._load = reorder._ring_optimal_load(self._alive2d, r, m, start=self._load)
         self._carry = self._full_carry()

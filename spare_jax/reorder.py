@@ -183,8 +183,15 @@ def _ring_bounds(alive2d: np.ndarray, m: int) -> tuple[int, int]:
     return lower, max(lower, upper)
 
 
-def _ring_optimal_load(alive2d: np.ndarray, r: int, m: int) -> int:
+def _ring_optimal_load(alive2d: np.ndarray, r: int, m: int, start: int | None = None) -> int:
+    """Smallest feasible load; `start`, a known lower bound, is tried first and galloped up."""
     lo, hi = _ring_bounds(alive2d, m)
+    if start is not None and lo < start < hi:
+        step = 1
+        lo = start
+        while lo + step - 1 < hi and not _hall_feasible(alive2d, r, m, lo + step - 1):
+            lo, step = lo + step, 2 * step
+        hi = min(hi, lo + step - 1)
     while lo < hi:
         mid = (lo + hi) // 2
         if _hall_feasible(alive2d, r, m, mid):

@@ -99,6 +99,8 @@ def _band(kind: str, groups: int, redundancy: int, group_mtbf_s: float, law: str
     idx = np.arange(n_k)
     log_choose = special.gammaln(groups + 1) - special.gammaln(idx + 1) - special.gammaln(groups - idx + 1)
     a_end = _inverse_cdf(law, group_mtbf_s, shape, (n_k + 6.0 * math.sqrt(n_k) + 6.0) / groups)
+    if extra_rate > 0:  # whole-domain failures end epochs sooner: resolve their e^(-nu a) decay
+        a_end = min(a_end, 40.0 / extra_rate)
     ages = np.linspace(0.0, a_end, n_ages)
     q = _cdf(law, group_mtbf_s, shape, ages)
     chunks = []
