@@ -17,3 +17,10 @@ def test_readme_python_examples():
         test = parser.get_doctest(block, {}, f"README[{i}]", str(README), 0)
         runner.run(test)
     assert runner.failures == 0
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = re.findall(r"^(python3 -m venv .*)$", README.read_text(), flags=re.M)
+    assert len(commands) == 2, "the README has exactly two set-up commands"
+    test_command = next(c for c in commands if "pytest" in c)
+    assert test_command in (README.parent / ".ci" / "run").read_text()
