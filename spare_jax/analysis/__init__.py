@@ -2,7 +2,9 @@
 
 Public API (DESIGN.md sections 3-4): `survival`, `endurable_failures`,
 `endurable_failures_asymptotic`, `mean_time_to_interruption`, `overhead`,
-`young`, `daly`, `time_to_train` -> `Estimate`, `optimise` -> `Plan`.
+`young`, `daly`, `time_to_train` -> `Estimate`, `optimise` -> `Plan`;
+`DEFAULT_REDUNDANCIES` and `DEFAULT_MICROBATCHES`, the joint optimiser's
+search (experiments/plan.py's flag defaults; experiments/reproduce.py uses them).
 """
 
 from spare_jax.analysis.checkpointing import daly, exact_optimum, young
@@ -16,7 +18,14 @@ from spare_jax.analysis.endurance import (
 from spare_jax.analysis.overhead_model import adaptive_max_load, overhead
 from spare_jax.analysis.planner import TTT_STRATEGIES, Estimate, Plan, optimise, time_to_train
 
+# The joint optimiser's candidates (the issue: "over redundancy (1..8), checkpoint
+# interval, and micro-batches where free"); equal to `optimise`'s defaults.
+DEFAULT_REDUNDANCIES: tuple[int, ...] = tuple(range(1, 9))
+DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16)
+
 __all__ = [
+    "DEFAULT_MICROBATCHES",
+    "DEFAULT_REDUNDANCIES",
     "STRATEGIES",
     "TTT_STRATEGIES",
     "Estimate",
