@@ -34,9 +34,9 @@ _CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "c
 _SCENARIO = config_flags.DEFINE_config_file("scenario", _CONFIG, "Scenario config file.",
                                                                                         lock_config=True)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
-_REDUNDANCIES = flags.DEFINE_list("redundancies", [str(r) for r in range(1, 9)],
+_REDUNDANCIES = flags.DEFINE_list("redundancies", [str(r) for r in analysis.DEFAULT_REDUNDANCIES],
                                                                     "Candidate redundancies r.")
-_MICROBATCHES = flags.DEFINE_list("microbatches", ["1", "2", "4", "8", "16"],
+_MICROBATCHES = flags.DEFINE_list("microbatches", [str(m) for m in analysis.DEFAULT_MICROBATCHES],
                                                                     "Candidate micro-batches m (SPARe adaptive).")
 _RESTART_S = flags.DEFINE_float(
         "restart_s", None, "Restart cost in seconds at this run's GPU count (sets restart_s_ref "

@@ -16,12 +16,15 @@ from spare_jax.analysis.endurance import (
     survival,
 )
 from spare_jax.analysis.overhead_model import adaptive_max_load, overhead
-from spare_jax.analysis.planner import TTT_STRATEGIES, Estimate, Plan, optimise, time_to_train
-
-# The joint optimiser's candidates (the issue: "over redundancy (1..8), checkpoint
-# interval, and micro-batches where free"); equal to `optimise`'s defaults.
-DEFAULT_REDUNDANCIES: tuple[int, ...] = tuple(range(1, 9))
-DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16)
+from spare_jax.analysis.planner import (
+    DEFAULT_MICROBATCHES,
+    DEFAULT_REDUNDANCIES,
+    TTT_STRATEGIES,
+    Estimate,
+    Plan,
+    optimise,
+    time_to_train,
+)
 
 __all__ = [
     "DEFAULT_MICROBATCHES",

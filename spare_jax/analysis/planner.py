@@ -37,6 +37,11 @@ __all__ = ["TTT_STRATEGIES", "Estimate", "Plan", "optimise", "time_to_train"]
 
 TTT_STRATEGIES = ("checkpoint_restart", "replication", "spare")
 
+# The joint optimiser's candidates (issue 4: "over redundancy (1..8), checkpoint
+# interval, and micro-batches where free").
+DEFAULT_REDUNDANCIES: tuple[int, ...] = tuple(range(1, 9))
+DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16)
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
@@ -253,7 +258,7 @@ def _candidates(scenario: Scenario, strategy: str, policy: str, redundancies, mi
 
 
 def optimise(scenario: Scenario, strategy: str, *, policy: str = "adaptive",
-                          redundancies=range(1, 9), microbatches=(1, 2, 4, 8, 16), progress=None) -> Plan:
+                          redundancies=DEFAULT_REDUNDANCIES, microbatches=DEFAULT_MICROBATCHES, progress=None) -> Plan:
     """Minimise expected time-to-train over redundancy, checkpoint interval and m.
 
     The interval is optimal in closed form for each (r, m); r and m are searched
@@ -288,6 +293,6 @@ def optimise(scenario: Scenario, strategy: str, *, policy: str = "adaptive",
 
 
 def candidate_count(scenario: Scenario, strategy: str, *, policy: str = "adaptive",
-                                        redundancies=range(1, 9), microbatches=(1, 2, 4, 8, 16)) -> int:
+                                        redundancies=DEFAULT_REDUNDANCIES, microbatches=DEFAULT_MICROBATCHES) -> int:
     """Number of (r, m) evaluations `optimise` will make (for progress bars)."""
     return sum(1 for _ in _candidates(scenario, strategy, policy, tuple(redundancies), tuple(microbatches)))
