@@ -338,7 +338,7 @@ SENSITIVITY = (
     (f"m fixed at {REFERENCE_M} (DESIGN's reference)", {}, {"microbatches": (REFERENCE_M,)}),
     ("r at most 6", {}, {"redundancies": tuple(r for r in REDUNDANCIES if r <= 6)}),
     (
-        f"r at most 6 and m = {REFERENCE_M} (previous search)",
+        f"r at most 6 and m = {REFERENCE_M}",
         {},
         {"redundancies": tuple(r for r in REDUNDANCIES if r <= 6), "microbatches": (REFERENCE_M,)},
     ),
