@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
     groups, r, m = 75_000, 4, 8
     ring = placement.cyclic(groups, r)
     print(f"reorder benchmark: medians of {repeats} runs, numpy {np.__version__}")
-    print(f"{"case":<52} {'median':>10} {'target':>8} {'value':>7}")
+    print(f"{'case':<52} {'median':>10} {'target':>8} {'value':>7}")
     for fraction in (0.01, 0.05):
         alive = rng.random(groups) >= fraction
         while reorder.uncovered(ring, alive).size:
