@@ -43,9 +43,10 @@ from spare_jax import train_step as step_lib
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps (rounds) per configuration.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps per configuration.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
+_BATCH = flags.DEFINE_integer("batch", 4, "Sequences per micro-batch (compute per slot).",
+                              lower_bound=1)
 
 MODEL = model_lib.ModelConfig(vocab=256, seq_len=64, d_model=128, heads=4, layers=2, d_ff=512)
-BATCH = 4
 
 
 class _Bench:
@@ -59,7 +60,7 @@ class _Bench:
         graphdef, self.state, shardings = step_lib.init_state(MODEL, tx, self.mesh, seed=0)
         stack = self.placement.depth * self.placement.shard_units * m
         self.step = step_lib.TrainStep(self.mesh, graphdef, tx, shardings, slot_bound=stack)
-        source = data_lib.MarkovSource(MODEL.vocab, MODEL.seq_len, BATCH, seed=0)
+        source = data_lib.MarkovSource(MODEL.vocab, MODEL.seq_len, _BATCH.value, seed=0)
         self.host_tokens = data_lib.stack_inputs(source, self.placement, m, 0)
         self.tokens = self.step.put_tokens(self.host_tokens)
 
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> None:
     print(
         f"devices: {jax.device_count()} x {jax.devices()[0].platform}, "
         f"host cores: {os.cpu_count()}, "
-        f"model {MODEL}, batch {BATCH} sequences per micro-batch; medians of {_STEPS.value} steps"
+        f"model {MODEL}, batch {_BATCH.value} sequences per micro-batch; medians of {_STEPS.value} steps"
     )
     results: dict[str, list] = {"spare_vs_dp": [], "load": [], "memory": []}
 
@@ -173,6 +174,20 @@ def main(argv: list[str]) -> None:
                 f"{ratio:6.3f} "
                 f"{dev:+7.1%}"
             )
+        # Step time = fixed per-step cost (optimizer update, psum, dispatch) + cost per slot.
+        slope, fixed = np.polyfit([load for _, load in plans], times, 1)
+        print(f"   fit m={m}: step = {fixed:.4f} s fixed + {slope:.4f} s per slot "
+              f"(fixed share of the failure-free step {fixed / times[0]:.0%})")
+        # Control: failure-free plain DP walking the same number of slots (m' = L).
+        loads = sorted({load for _, load in plans})
+        controls = [_Bench((8, 1, 1), "dp", 1, load) for load in loads]
+        c_times, c_ratios = _interleaved([(c, c.plan([])[0]) for c in controls])
+        control = dict(zip(loads, c_ratios))
+        for (dead, policy), (_, load), ratio in zip(runs, plans, ratios):
+            print(f"   control m={m} {policy:>8} dead {dead!s:>10}: DP with {load} slots runs "
+                  f"{control[load]:.3f}x its {loads[0]}-slot step; SPARe {ratio:.3f}x "
+                  f"({ratio / control[load] - 1:+.1%})")
+            results["load"][-len(runs) + runs.index((dead, policy))]["control"] = control[load]
 
     print("\n3. memory of one step's input: stacks of r shards vs one copy of the global batch")
     print(
@@ -181,7 +196,7 @@ def main(argv: list[str]) -> None:
     )
     for shape, (dp, spare) in benches.items():
         for bench in (dp, spare):
-            b = data_lib.stack_bytes(bench.placement, bench.m, BATCH, MODEL.seq_len)
+            b = data_lib.stack_bytes(bench.placement, bench.m, _BATCH.value, MODEL.seq_len)
             dev = _device_bytes(bench.tokens)
             label = (
                 f"{bench.placement.kind} r={bench.placement.redundancy} {'x'.join(map(str, shape))}"
