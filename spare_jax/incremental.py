@@ -116,7 +116,8 @@ class LoadTracker:
             total = np.cumsum(steps)
             new = total - np.minimum(-incoming, np.minimum.accumulate(total))
             if new.max() > (r - 1) * m:
-                break
+                self._resolve(start=self._load + 1)
+                return
             merged = np.flatnonzero(new == carry[idx])
             if merged.size:
                 stop = merged[0]
@@ -124,5 +125,23 @@ class LoadTracker:
                 return
             carry[idx] = new
             incoming, start, done, size = new[-1], (start - size) % n, done + size, 2 * size
-        self._load = reorder._ring_optimal_load(self._alive2d, r, m, start=self._load)
-        self._carry = self._full_carry()
+        self._resolve(start=self._load)
+
+    def _resolve(self, start: int) -> None:
+        """Smallest feasible load from `start` up, with its carry.
+
+        A load is feasible iff every ring's live capacity covers its work and
+        the periodic sweep carry stays within (r - 1) m (see `reorder`); the
+        load rarely grows by more than one per failure, so walking up one at a
+        time costs one O(G) sweep per step.
+        """
+        m, r = self.microbatches, self.placement.redundancy
+        n = self._alive2d.shape[1]
+        live = self._alive2d.sum(axis=1)
+        load = max(start, int(np.max(-(-n * m // live))))
+        while True:
+            self._load = load
+            self._carry = self._full_carry()
+            if self._carry.max() <= (r - 1) * m:
+                return
+            load += 1
