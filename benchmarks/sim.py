@@ -62,21 +62,22 @@ def main(argv: list[str]) -> None:
             f"simulate {label:18s} r={r}: median {sec:6.2f} s  ({res.failures} failures, "
             f"{res.interruptions} interruptions, time-to-train {res.time_to_train_s / 3600:.0f} h)"
         )
-    start = time.perf_counter()
-    summary = sim.simulate_many(
-        scenario,
-        "spare",
-        replicas=replicas,
-        redundancy=3,
-        checkpoint_interval_s=3.0 * 3600,
-        progress=False,
-    )
-    sec = time.perf_counter() - start
-    print(
-        f"simulate_many spare r=3 x{replicas} on 2 processes: {sec:6.1f} s "
-        f"(time-to-train {summary.mean['time_to_train_s'] / 3600:.1f} "
-        f"+- {summary.stderr['time_to_train_s'] / 3600:.1f} h)"
-    )
+    for r in (3, 2):  # r = 2 is the slow case: its optimal load changes most often
+        start = time.perf_counter()
+        summary = sim.simulate_many(
+            scenario,
+            "spare",
+            replicas=replicas,
+            redundancy=r,
+            checkpoint_interval_s=3.0 * 3600,
+            progress=False,
+        )
+        sec = time.perf_counter() - start
+        print(
+            f"simulate_many spare r={r} x{replicas} on 2 processes: {sec:6.1f} s "
+            f"(time-to-train {summary.mean['time_to_train_s'] / 3600:.1f} "
+            f"+- {summary.stderr['time_to_train_s'] / 3600:.1f} h)"
+        )
     for r in (2, 4):
         run = functools.partial(sim.failures_to_interruption, "spare", 75_000, r, trials=1000)
         sec, f = _median_time(run, repeats)
