@@ -39,17 +39,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _OUT = flags.DEFINE_string("out", "runs/overhead", "Output directory.")
 
 
-def _int_list(name: str, values: list[str], low: int) -> list[int]:
-    try:
-        out = [int(v) for v in values]
-    except ValueError:
-        raise app.UsageError(f"--{name} must be a comma-separated list of integers, got "
-                             f"{','.join(values)!r}") from None
-    if not out or min(out) < low:
-        raise app.UsageError(f"--{name} values must be >= {low}, got {out}")
-    return out
-
-
 def trace_loads(tracker: LoadTracker, order: np.ndarray) -> np.ndarray:
     """Max load after 0, 1, 2, ... failures of `order`, up to the interruption."""
     loads = [tracker.max_load]
@@ -154,8 +143,8 @@ def plot(traces, rows, micro: list[int], groups: int, kind: str, path: str) -> N
 def main(argv: list[str]) -> None:
     del argv
     groups = _GROUPS.value
-    redundancies = _int_list("redundancy", _REDUNDANCY.value, 1)
-    micro = _int_list("microbatches", _MICROBATCHES.value, 1)
+    redundancies = cli.int_list("redundancy", _REDUNDANCY.value)
+    micro = cli.int_list("microbatches", _MICROBATCHES.value)
     if max(redundancies) > groups:
         raise app.UsageError(f"--redundancy values must not exceed --groups={groups}")
     traces = run(groups, redundancies, micro, _PLACEMENT.value, _TRIALS.value, _SEED.value)

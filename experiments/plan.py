@@ -61,16 +61,6 @@ ROWS = (("checkpoint_restart", "checkpoint_restart", "adaptive"),
                 ("spare_adaptive", "spare", "adaptive"))
 
 
-def _ints(name: str, values: list[str]) -> list[int]:
-    try:
-        out = [int(v) for v in values]
-    except ValueError:
-        raise app.UsageError(f"--{name} must be comma-separated integers, got {','.join(values)!r}") from None
-    if not out or min(out) < 1:
-        raise app.UsageError(f"--{name} values must be >= 1, got {out}")
-    return out
-
-
 def build_scenario() -> Scenario:
     """The scenario from --scenario plus the per-field override flags."""
     values = dict(_SCENARIO.value.to_dict())
@@ -172,8 +162,8 @@ def table(result: dict) -> str:
 def main(argv: list[str]) -> None:
     del argv
     scenario = build_scenario()
-    redundancies = _ints("redundancies", _REDUNDANCIES.value)
-    microbatches = _ints("microbatches", _MICROBATCHES.value)
+    redundancies = cli.int_list("redundancies", _REDUNDANCIES.value)
+    microbatches = cli.int_list("microbatches", _MICROBATCHES.value)
     if max(redundancies) > scenario.groups:
         raise app.UsageError(f"redundancy r={max(redundancies)} exceeds the number of groups "
                                                   f"G={scenario.groups} (set --redundancies)")

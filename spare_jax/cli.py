@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
-__all__ = ["USAGE_EXIT", "fail", "one_line", "run"]
+__all__ = ["USAGE_EXIT", "fail", "int_list", "one_line", "run"]
 
 USAGE_EXIT = 2
 
@@ -24,6 +24,18 @@ def fail(message: str) -> None:
     prog = os.path.basename(sys.argv[0]) if sys.argv else "spare_jax"
     sys.stderr.write(f"{prog}: error: {message}\n")
     sys.exit(USAGE_EXIT)
+
+
+def int_list(name: str, values: list[str], low: int = 1) -> list[int]:
+    """Parse a `flags.DEFINE_list` of integers, each >= `low`, or raise `app.UsageError`."""
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        raise app.UsageError(f"--{name} must be a comma-separated list of integers, got "
+                             f"{','.join(values)!r}") from None
+    if not out or min(out) < low:
+        raise app.UsageError(f"--{name} values must be >= {low}, got {out}")
+    return out
 
 
 def one_line(error: BaseException) -> str:
