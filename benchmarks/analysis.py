@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from spare_jax import analysis, placement, reorder
+from spare_jax import analysis, cli, placement, reorder
 from spare_jax.analysis import endurance, overhead_model, planner, renewal
 from spare_jax.scenario import Scenario
 
@@ -116,4 +116,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

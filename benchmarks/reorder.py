@@ -15,9 +15,9 @@ import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from spare_jax import placement, reorder
+from spare_jax import cli, placement, reorder
 from spare_jax.incremental import LoadTracker
 
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed repetitions per measurement.")
@@ -97,4 +97,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -15,9 +15,9 @@ import functools
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
 
-from spare_jax import sim
+from spare_jax import cli, sim
 from spare_jax.scenario import Scenario
 
 QUICK = flags.DEFINE_bool("quick", False, "one repeat and 10 replicas")
@@ -88,4 +88,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -41,7 +41,7 @@ import numpy as np
 import tqdm
 from absl import app, flags
 
-from spare_jax import analysis, sim
+from spare_jax import analysis, cli, sim
 from spare_jax.analysis import weights
 from spare_jax.scenario import Scenario
 
@@ -416,7 +416,10 @@ def main(argv: list[str]) -> None:
     del argv
     settings = _settings(QUICK.value, REPLICAS.value, SEED.value)
     out = OUT.value
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as error:
+        raise app.UsageError(f"cannot create --out={out}: {error.strerror}") from None
     start = time.time()
     gpus = settings.gpus[-1]
     endurance_r = (2, 3, 4)
@@ -471,4 +474,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
