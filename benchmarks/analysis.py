@@ -24,12 +24,14 @@ from spare_jax.analysis import endurance, overhead_model, planner, renewal
 from spare_jax.scenario import Scenario
 
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per measurement.")
-_VALIDATE = flags.DEFINE_bool("validate", False, "Print the overhead-model validation table instead.")
+_VALIDATE = flags.DEFINE_bool(
+    "validate", False, "Print the overhead-model validation table instead."
+)
 _SAMPLES = flags.DEFINE_integer("samples", 60, "Random dead sets per validation cell.")
 
 
 def validate(samples: int, seed: int = 0) -> None:
-    """Model E[o | k] vs the mean exact optimal load of uniform good dead sets (reorder.max_load)."""
+    """Model E[o | k] vs the mean exact optimal load of uniform good dead sets."""
     rng = np.random.default_rng(seed)
     print("| G | r | m | k / E[F] | k | exact mean (s.e.) | model | rel. error |")
     print("|---|---|---|---|---|---|---|---|")
@@ -45,15 +47,20 @@ def validate(samples: int, seed: int = 0) -> None:
                     while len(vals) < samples:
                         dead = rng.choice(groups, k, replace=False)
                         try:
-                            vals.append(reorder.max_load(p, reorder.alive_mask(groups, dead), m) / m)
+                            vals.append(
+                                reorder.max_load(p, reorder.alive_mask(groups, dead), m) / m
+                            )
                         except reorder.Interruption:
                             continue
                     v = np.array(vals)
                     model = analysis.overhead("adaptive", groups, r, m, k)
                     rel = model / v.mean() - 1
                     worst = max(worst, abs(rel))
-                    print(f"| {groups:,} | {r} | {m} | {frac:g} | {k} | {v.mean():.4f} "
-                                f"({v.std() / math.sqrt(v.size):.4f}) | {model:.4f} | {100 * rel:+.2f}% |", flush=True)
+                    print(
+                        f"| {groups:,} | {r} | {m} | {frac:g} | {k} | {v.mean():.4f} "
+                        f"({v.std() / math.sqrt(v.size):.4f}) | {model:.4f} | {100 * rel:+.2f}% |",
+                        flush=True,
+                    )
     print(f"\nlargest |relative error|: {100 * worst:.2f}% (includes Monte Carlo noise)")
 
 
@@ -88,28 +95,50 @@ def main(argv: list[str]) -> None:
     rows = []
 
     def ttt(tau=None):
-        return lambda: analysis.time_to_train(s, "spare", redundancy=3, microbatches=8,
-                                                                                    checkpoint_interval_s=tau)
+        return lambda: analysis.time_to_train(
+            s, "spare", redundancy=3, microbatches=8, checkpoint_interval_s=tau
+        )
 
-    rows.append(("TTT, spare r=3 m=8, fixed interval, warm", median_s(ttt(7200.0), 5 * n, False), 0.010))
-    rows.append(("TTT, spare r=3 m=8, optimal interval, warm", median_s(ttt(), 5 * n, False), 0.010))
-    rows.append(("TTT, replication r=2, optimal interval, warm",
-                              median_s(lambda: analysis.time_to_train(s, "replication", redundancy=2), 5 * n, False),
-                              0.010))
+    rows.append(
+        ("TTT, spare r=3 m=8, fixed interval, warm", median_s(ttt(7200.0), 5 * n, False), 0.010)
+    )
+    rows.append(
+        ("TTT, spare r=3 m=8, optimal interval, warm", median_s(ttt(), 5 * n, False), 0.010)
+    )
+    rows.append(
+        (
+            "TTT, replication r=2, optimal interval, warm",
+            median_s(lambda: analysis.time_to_train(s, "replication", redundancy=2), 5 * n, False),
+            0.010,
+        )
+    )
     rows.append(("TTT, spare r=3 m=8, cold (tables built)", median_s(ttt(), n, True), None))
-    rows.append(("optimise spare adaptive (r 1..8 x m 1..16), cold",
-                              median_s(lambda: analysis.optimise(s, "spare"), n, True), 5.0))
+    rows.append(
+        (
+            "optimise spare adaptive (r 1..8 x m 1..16), cold",
+            median_s(lambda: analysis.optimise(s, "spare"), n, True),
+            5.0,
+        )
+    )
 
     def all_four():
-        for strategy, policy in (("checkpoint_restart", "adaptive"), ("replication", "adaptive"),
-                                                          ("spare", "fixed"), ("spare", "adaptive")):
+        for strategy, policy in (
+            ("checkpoint_restart", "adaptive"),
+            ("replication", "adaptive"),
+            ("spare", "fixed"),
+            ("spare", "adaptive"),
+        ):
             analysis.optimise(s, strategy, policy=policy)
 
     rows.append(("optimise all four strategies (plan.py), cold", median_s(all_four, n, True), None))
     width = max(len(r[0]) for r in rows)
     print(f"{'measurement'.ljust(width)}  {'median':>10}  target")
     for name, value, target in rows:
-        goal = "" if target is None else (f"<= {target * 1e3:.0f} ms" if target < 1 else f"<= {target:.0f} s")
+        goal = (
+            ""
+            if target is None
+            else (f"<= {target * 1e3:.0f} ms" if target < 1 else f"<= {target:.0f} s")
+        )
         ok = "" if target is None else ("  ok" if value <= target else "  OVER")
         shown = f"{value * 1e3:8.2f} ms" if value < 1 else f"{value:8.2f} s "
         print(f"{name.ljust(width)}  {shown}  {goal}{ok}")

@@ -65,15 +65,19 @@ def main(argv: list[str]) -> None:
         print(f"{'assign adaptive, ' + label:<52} {t_assign * 1e3:>8.1f}ms {'200ms':>8} {load:>7}")
         print(f"{'max_load only, ' + label:<52} {t_load * 1e3:>8.1f}ms {'':>8} {load:>7}")
         fixed_load = reorder.max_load(ring, alive, m, "fixed")
-        print(f"{'assign fixed order, ' + label:<52} {t_fixed * 1e3:>8.1f}ms {'':>8} {fixed_load:>7}")
-        print(f"{'  peak memory of assign (MiB), bytes/(G*r)':<52} {mem:>8.1f}MB {'':>8} "
-              f"{mem * 2**20 / (groups * r):>7.0f}")
+        print(
+            f"{'assign fixed order, ' + label:<52} {t_fixed * 1e3:>8.1f}ms {'':>8} {fixed_load:>7}"
+        )
+        print(
+            f"{'  peak memory of assign (MiB), bytes/(G*r)':<52} {mem:>8.1f}MB {'':>8} "
+            f"{mem * 2**20 / (groups * r):>7.0f}"
+        )
 
         # Incremental: one more failure after this dead set, versus a full re-solve.
         order = rng.permutation(np.flatnonzero(alive))
         tracker = LoadTracker(ring, m, alive=alive)
         times = []
-        for group in order[:repeats * 20]:
+        for group in order[: repeats * 20]:
             start = time.perf_counter()
             try:
                 tracker.fail(int(group))
@@ -81,8 +85,10 @@ def main(argv: list[str]) -> None:
                 break
             times.append(time.perf_counter() - start)
         t_incr = statistics.median(times)
-        print(f"{'one more failure, incremental, ' + label:<52} {t_incr * 1e6:>8.1f}us {'':>8} "
-              f"{tracker.max_load:>7}")
+        print(
+            f"{'one more failure, incremental, ' + label:<52} {t_incr * 1e6:>8.1f}us {'':>8} "
+            f"{tracker.max_load:>7}"
+        )
         print(f"{'  full max_load / incremental (ratio)':<52} {t_load / t_incr:>9.0f}x")
 
     groups_f, r_f = 10_000, 4
@@ -92,8 +98,10 @@ def main(argv: list[str]) -> None:
         alive = rng.random(groups_f) >= 0.02
     t_flow = median_s(lambda: reorder.assign(general, alive, 1), max(3, repeats // 3))
     load = reorder.max_load(general, alive, 1)
-    print(f"{'assign max-flow, G=10000 r=4 m=1 2% dead':<52} {t_flow * 1e3:>8.1f}ms "
-          f"{'2000ms':>8} {load:>7}")
+    print(
+        f"{'assign max-flow, G=10000 r=4 m=1 2% dead':<52} {t_flow * 1e3:>8.1f}ms "
+        f"{'2000ms':>8} {load:>7}"
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ from spare_jax import train_step as step_lib
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps (rounds) per configuration.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps per configuration.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
-_BATCH = flags.DEFINE_integer("batch", 4, "Sequences per micro-batch (compute per slot).",
-                              lower_bound=1)
+_BATCH = flags.DEFINE_integer(
+    "batch", 4, "Sequences per micro-batch (compute per slot).", lower_bound=1
+)
 
 MODEL = model_lib.ModelConfig(vocab=256, seq_len=64, d_model=128, heads=4, layers=2, d_ff=512)
 
@@ -111,7 +112,8 @@ def main(argv: list[str]) -> None:
     print(
         f"devices: {jax.device_count()} x {jax.devices()[0].platform}, "
         f"host cores: {os.cpu_count()}, "
-        f"model {MODEL}, batch {_BATCH.value} sequences per micro-batch; medians of {_STEPS.value} steps"
+        f"model {MODEL}, batch {_BATCH.value} sequences per micro-batch; "
+        f"medians of {_STEPS.value} steps"
     )
     results: dict[str, list] = {"spare_vs_dp": [], "load": [], "memory": []}
 
@@ -176,17 +178,21 @@ def main(argv: list[str]) -> None:
             )
         # Step time = fixed per-step cost (optimizer update, psum, dispatch) + cost per slot.
         slope, fixed = np.polyfit([load for _, load in plans], times, 1)
-        print(f"   fit m={m}: step = {fixed:.4f} s fixed + {slope:.4f} s per slot "
-              f"(fixed share of the failure-free step {fixed / times[0]:.0%})")
+        print(
+            f"   fit m={m}: step = {fixed:.4f} s fixed + {slope:.4f} s per slot "
+            f"(fixed share of the failure-free step {fixed / times[0]:.0%})"
+        )
         # Control: failure-free plain DP walking the same number of slots (m' = L).
         loads = sorted({load for _, load in plans})
         controls = [_Bench((8, 1, 1), "dp", 1, load) for load in loads]
         c_times, c_ratios = _interleaved([(c, c.plan([])[0]) for c in controls])
         control = dict(zip(loads, c_ratios))
         for (dead, policy), (_, load), ratio in zip(runs, plans, ratios):
-            print(f"   control m={m} {policy:>8} dead {dead!s:>10}: DP with {load} slots runs "
-                  f"{control[load]:.3f}x its {loads[0]}-slot step; SPARe {ratio:.3f}x "
-                  f"({ratio / control[load] - 1:+.1%})")
+            print(
+                f"   control m={m} {policy:>8} dead {dead!s:>10}: DP with {load} slots runs "
+                f"{control[load]:.3f}x its {loads[0]}-slot step; SPARe {ratio:.3f}x "
+                f"({ratio / control[load] - 1:+.1%})"
+            )
             results["load"][-len(runs) + runs.index((dead, policy))]["control"] = control[load]
 
     print("\n3. memory of one step's input: stacks of r shards vs one copy of the global batch")

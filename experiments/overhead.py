@@ -28,12 +28,15 @@ from spare_jax import cli, placement, reorder  # noqa: E402
 from spare_jax.incremental import LoadTracker  # noqa: E402
 
 _GROUPS = flags.DEFINE_integer("groups", 10_000, "Number of groups G.", lower_bound=2)
-_REDUNDANCY = flags.DEFINE_list("redundancy", ["2", "3", "4", "5", "6", "7", "8"],
-                                "Redundancies r to sweep.")
-_MICROBATCHES = flags.DEFINE_list("microbatches", ["1", "8"],
-                                  "Micro-batches per shard m for adaptive reordering.")
-_PLACEMENT = flags.DEFINE_enum("placement", "cyclic", ["cyclic", "strided"],
-                               "Stacking placement for SPARe.")
+_REDUNDANCY = flags.DEFINE_list(
+    "redundancy", ["2", "3", "4", "5", "6", "7", "8"], "Redundancies r to sweep."
+)
+_MICROBATCHES = flags.DEFINE_list(
+    "microbatches", ["1", "8"], "Micro-batches per shard m for adaptive reordering."
+)
+_PLACEMENT = flags.DEFINE_enum(
+    "placement", "cyclic", ["cyclic", "strided"], "Stacking placement for SPARe."
+)
 _TRIALS = flags.DEFINE_integer("trials", 20, "Random failure orders per r.", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _OUT = flags.DEFINE_string("out", "runs/overhead", "Output directory.")
@@ -57,8 +60,9 @@ def replication_lifetime(groups: int, r: int, order: np.ndarray) -> int:
     return int(rank.reshape(-1, r).max(axis=1).min())
 
 
-def run(groups: int, redundancies: list[int], micro: list[int], kind: str, trials: int,
-        seed: int) -> dict[tuple[int, str, int], list[np.ndarray]]:
+def run(
+    groups: int, redundancies: list[int], micro: list[int], kind: str, trials: int, seed: int
+) -> dict[tuple[int, str, int], list[np.ndarray]]:
     """Overhead traces keyed by (r, policy, m); policy adaptive, fixed or replication."""
     rng = np.random.default_rng(seed)
     traces: dict[tuple[int, str, int], list[np.ndarray]] = {}
@@ -87,10 +91,17 @@ def summarise(traces: dict[tuple[int, str, int], list[np.ndarray]]) -> list[dict
     for (r, policy, m), runs in sorted(traces.items()):
         lifetimes = np.array([len(t) - 1 for t in runs])
         after_failure = np.concatenate([t[1:] for t in runs if len(t) > 1] or [np.ones(1)])
-        rows.append(dict(r=r, policy=policy, m=m, failures_to_interruption=lifetimes.mean(),
-                         overhead_mean=after_failure.mean(),
-                         overhead_median=float(np.median(after_failure)),
-                         overhead_worst=max(t.max() for t in runs)))
+        rows.append(
+            dict(
+                r=r,
+                policy=policy,
+                m=m,
+                failures_to_interruption=lifetimes.mean(),
+                overhead_mean=after_failure.mean(),
+                overhead_median=float(np.median(after_failure)),
+                overhead_worst=max(t.max() for t in runs),
+            )
+        )
     return rows
 
 
@@ -99,7 +110,7 @@ def mean_curve(runs: list[np.ndarray]) -> np.ndarray:
     top = max(len(t) for t in runs)
     grid = np.full((len(runs), top), np.nan)
     for i, t in enumerate(runs):
-        grid[i, :len(t)] = t
+        grid[i, : len(t)] = t
     alive = np.sum(~np.isnan(grid), axis=0)
     return np.where(alive >= max(1, len(runs) // 4), np.nanmean(grid, axis=0), np.nan)
 
@@ -122,14 +133,24 @@ def plot(traces, rows, micro: list[int], groups: int, kind: str, path: str) -> N
         ax.legend(fontsize=7, ncol=2)
     ax = axes[-1]
     for policy, m, style in [("replication", 1, "s-"), ("fixed", 1, "^-")] + [
-            ("adaptive", mm, "o-") for mm in micro]:
+        ("adaptive", mm, "o-") for mm in micro
+    ]:
         sel = [row for row in rows if row["policy"] == policy and row["m"] == m]
         label = policy if policy != "adaptive" else f"SPARe adaptive, m={m}"
-        ax.plot([row["r"] for row in sel], [row["overhead_mean"] for row in sel], style,
-                label=f"{label} (mean)")
+        ax.plot(
+            [row["r"] for row in sel],
+            [row["overhead_mean"] for row in sel],
+            style,
+            label=f"{label} (mean)",
+        )
         if policy == "adaptive" or policy == "fixed":
-            ax.plot([row["r"] for row in sel], [row["overhead_worst"] for row in sel],
-                    style[0] + "--", alpha=0.5, label=f"{label} (worst)")
+            ax.plot(
+                [row["r"] for row in sel],
+                [row["overhead_worst"] for row in sel],
+                style[0] + "--",
+                alpha=0.5,
+                label=f"{label} (worst)",
+            )
     ax.set_xlabel("redundancy r")
     ax.set_ylabel("overhead until interruption")
     ax.set_title(f"G={groups}, {kind} stacking")
@@ -161,17 +182,24 @@ def main(argv: list[str]) -> None:
             curve = mean_curve(runs)
             for dead, value in enumerate(curve):
                 if not np.isnan(value):
-                    writer.writerow([r, policy, m, dead, f"{value:.4f}",
-                                     sum(len(t) > dead for t in runs)])
+                    writer.writerow(
+                        [r, policy, m, dead, f"{value:.4f}", sum(len(t) > dead for t in runs)]
+                    )
     plot(traces, rows, micro, groups, _PLACEMENT.value, os.path.join(_OUT.value, "overhead.png"))
-    print(f"\nG={groups}, {_PLACEMENT.value} stacking, {_TRIALS.value} trials per r, "
-          f"seed {_SEED.value}. Overhead = max load / m after each failure, until interruption.")
-    print(f"{'r':>2} {'policy':<12} {'m':>2} {'E[failures]':>12} {'mean':>6} {'median':>7} "
-          f"{'worst':>6}")
+    print(
+        f"\nG={groups}, {_PLACEMENT.value} stacking, {_TRIALS.value} trials per r, "
+        f"seed {_SEED.value}. Overhead = max load / m after each failure, until interruption."
+    )
+    print(
+        f"{'r':>2} {'policy':<12} {'m':>2} {'E[failures]':>12} {'mean':>6} {'median':>7} "
+        f"{'worst':>6}"
+    )
     for row in rows:
-        print(f"{row['r']:>2} {row['policy']:<12} {row['m']:>2} "
-              f"{row['failures_to_interruption']:>12.1f} {row['overhead_mean']:>6.3f} "
-              f"{row['overhead_median']:>7.3f} {row['overhead_worst']:>6.3f}")
+        print(
+            f"{row['r']:>2} {row['policy']:<12} {row['m']:>2} "
+            f"{row['failures_to_interruption']:>12.1f} {row['overhead_mean']:>6.3f} "
+            f"{row['overhead_median']:>7.3f} {row['overhead_worst']:>6.3f}"
+        )
     print(f"\nwrote {_OUT.value}/summary.csv, overhead.csv, overhead.png")
 
 

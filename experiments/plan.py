@@ -29,18 +29,27 @@ from spare_jax import analysis, cli
 from spare_jax.analysis import planner as ttt
 from spare_jax.scenario import Scenario
 
-_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs",
-                                              "scenarios.py")
-_SCENARIO = config_flags.DEFINE_config_file("scenario", _CONFIG, "Scenario config file.",
-                                                                                        lock_config=True)
+_CONFIG = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "scenarios.py"
+)
+_SCENARIO = config_flags.DEFINE_config_file(
+    "scenario", _CONFIG, "Scenario config file.", lock_config=True
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
-_REDUNDANCIES = flags.DEFINE_list("redundancies", [str(r) for r in analysis.DEFAULT_REDUNDANCIES],
-                                                                    "Candidate redundancies r.")
-_MICROBATCHES = flags.DEFINE_list("microbatches", [str(m) for m in analysis.DEFAULT_MICROBATCHES],
-                                                                    "Candidate micro-batches m (SPARe adaptive).")
+_REDUNDANCIES = flags.DEFINE_list(
+    "redundancies", [str(r) for r in analysis.DEFAULT_REDUNDANCIES], "Candidate redundancies r."
+)
+_MICROBATCHES = flags.DEFINE_list(
+    "microbatches",
+    [str(m) for m in analysis.DEFAULT_MICROBATCHES],
+    "Candidate micro-batches m (SPARe adaptive).",
+)
 _RESTART_S = flags.DEFINE_float(
-        "restart_s", None, "Restart cost in seconds at this run's GPU count (sets restart_s_ref "
-        "and restart_ref_gpus; growth with N keeps restart_exponent).")
+    "restart_s",
+    None,
+    "Restart cost in seconds at this run's GPU count (sets restart_s_ref "
+    "and restart_ref_gpus; growth with N keeps restart_exponent).",
+)
 
 # One override flag per Scenario field (None: keep the scenario's value).
 _FIELD_FLAGS = {}
@@ -55,10 +64,12 @@ for _field in dataclasses.fields(Scenario):
     else:
         _FIELD_FLAGS[_field.name] = flags.DEFINE_string(_field.name, None, _help)
 
-ROWS = (("checkpoint_restart", "checkpoint_restart", "adaptive"),
-                ("replication", "replication", "adaptive"),
-                ("spare_fixed", "spare", "fixed"),
-                ("spare_adaptive", "spare", "adaptive"))
+ROWS = (
+    ("checkpoint_restart", "checkpoint_restart", "adaptive"),
+    ("replication", "replication", "adaptive"),
+    ("spare_fixed", "spare", "fixed"),
+    ("spare_adaptive", "spare", "adaptive"),
+)
 
 
 def build_scenario() -> Scenario:
@@ -80,18 +91,34 @@ def build_scenario() -> Scenario:
         raise app.UsageError(str(error)) from None
 
 
-def plan(scenario: Scenario, redundancies: list[int], microbatches: list[int],
-                  show_progress: bool = True) -> dict:
+def plan(
+    scenario: Scenario, redundancies: list[int], microbatches: list[int], show_progress: bool = True
+) -> dict:
     """Optimise every strategy; return the JSON-ready result."""
-    total = sum(ttt.candidate_count(scenario, s, policy=p, redundancies=redundancies,
-                                                                    microbatches=microbatches) for _, s, p in ROWS)
+    total = sum(
+        ttt.candidate_count(
+            scenario, s, policy=p, redundancies=redundancies, microbatches=microbatches
+        )
+        for _, s, p in ROWS
+    )
     plans = {}
-    with tqdm(total=total, desc="optimising", delay=1.0, disable=not show_progress,
-                        file=sys.stderr, leave=False) as bar:
+    with tqdm(
+        total=total,
+        desc="optimising",
+        delay=1.0,
+        disable=not show_progress,
+        file=sys.stderr,
+        leave=False,
+    ) as bar:
         for name, strategy, policy in ROWS:
-            plans[name] = analysis.optimise(scenario, strategy, policy=policy,
-                                                                            redundancies=redundancies, microbatches=microbatches,
-                                                                            progress=bar.update)
+            plans[name] = analysis.optimise(
+                scenario,
+                strategy,
+                policy=policy,
+                redundancies=redundancies,
+                microbatches=microbatches,
+                progress=bar.update,
+            )
     rep = plans["replication"].estimate.time_to_train_s
 
     def reduction(t: float) -> float | None:
@@ -104,7 +131,8 @@ def plan(scenario: Scenario, redundancies: list[int], microbatches: list[int],
     rows = []
     for name, p in plans.items():
         e = p.estimate
-        rows.append({
+        rows.append(
+            {
                 "name": name,
                 "redundancy": p.redundancy,
                 "checkpoint_interval_s": finite(p.checkpoint_interval_s),
@@ -117,12 +145,13 @@ def plan(scenario: Scenario, redundancies: list[int], microbatches: list[int],
                 "interruptions": finite(e.interruptions),
                 "lost_work_h": finite(e.lost_work_s / 3600.0),
                 "reduction_vs_replication": reduction(e.time_to_train_s),
-        })
+            }
+        )
     return {
-            "scenario": dataclasses.asdict(scenario) | {"groups": scenario.groups,
-                                                                                                "restart_seconds": scenario.restart_seconds()},
-            "strategies": rows,
-            "reduction_vs_replication": reduction(plans["spare_adaptive"].estimate.time_to_train_s),
+        "scenario": dataclasses.asdict(scenario)
+        | {"groups": scenario.groups, "restart_seconds": scenario.restart_seconds()},
+        "strategies": rows,
+        "reduction_vs_replication": reduction(plans["spare_adaptive"].estimate.time_to_train_s),
     }
 
 
@@ -133,29 +162,60 @@ def _fmt(value, spec: str) -> str:
 def table(result: dict) -> str:
     """Aligned text table of `plan`'s result."""
     s = result["scenario"]
-    head = (f"{s['gpus']:,} GPUs, {s['groups']:,} groups of {s['gpus_per_group']}; GPU MTBF "
-                    f"{s['gpu_mtbf_hours']:,.0f} h ({s['failure_law']}); work {s['work_hours']:,.0f} h; "
-                    f"checkpoint {s['checkpoint_s']:g} s; restart {s['restart_seconds']:,.0f} s; "
-                    f"repair {s['repair']}")
-    cols = ("strategy", "r", "m", "ckpt_min", "TTT_days", "avail", "eff_ratio", "overhead",
-                    "MTTI_h", "restarts", "vs_repl")
+    head = (
+        f"{s['gpus']:,} GPUs, {s['groups']:,} groups of {s['gpus_per_group']}; GPU MTBF "
+        f"{s['gpu_mtbf_hours']:,.0f} h ({s['failure_law']}); work {s['work_hours']:,.0f} h; "
+        f"checkpoint {s['checkpoint_s']:g} s; restart {s['restart_seconds']:,.0f} s; "
+        f"repair {s['repair']}"
+    )
+    cols = (
+        "strategy",
+        "r",
+        "m",
+        "ckpt_min",
+        "TTT_days",
+        "avail",
+        "eff_ratio",
+        "overhead",
+        "MTTI_h",
+        "restarts",
+        "vs_repl",
+    )
     lines = []
     for row in result["strategies"]:
         tau = row["checkpoint_interval_s"]
-        lines.append((row["name"], str(row["redundancy"]), str(row["microbatches"]),
-                                    _fmt(None if tau is None else tau / 60.0, ".1f"),
-                                    _fmt(row["time_to_train_days"], ",.1f"), f"{row['availability']:.4f}",
-                                    f"{row['effective_ratio']:.4f}", f"{row['overhead_mean']:.3f}",
-                                    f"{row['mean_time_to_interruption_h']:,.2f}", _fmt(row["interruptions"], ",.2f"),
-                                    _fmt(None if row["reduction_vs_replication"] is None
-                                              else 100.0 * row["reduction_vs_replication"], "+.1f") + "%"))
+        lines.append(
+            (
+                row["name"],
+                str(row["redundancy"]),
+                str(row["microbatches"]),
+                _fmt(None if tau is None else tau / 60.0, ".1f"),
+                _fmt(row["time_to_train_days"], ",.1f"),
+                f"{row['availability']:.4f}",
+                f"{row['effective_ratio']:.4f}",
+                f"{row['overhead_mean']:.3f}",
+                f"{row['mean_time_to_interruption_h']:,.2f}",
+                _fmt(row["interruptions"], ",.2f"),
+                _fmt(
+                    None
+                    if row["reduction_vs_replication"] is None
+                    else 100.0 * row["reduction_vs_replication"],
+                    "+.1f",
+                )
+                + "%",
+            )
+        )
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                                                for i, (c, w) in enumerate(zip(cells, widths)))
+    fmt = lambda cells: "  ".join(
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
     out = [head, "", fmt(cols), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines]
     red = result["reduction_vs_replication"]
-    out += ["", "SPARe adaptive vs replication (each at its optimum): "
-                    + ("n/a" if red is None else f"{100.0 * red:.1f}% less time-to-train")]
+    out += [
+        "",
+        "SPARe adaptive vs replication (each at its optimum): "
+        + ("n/a" if red is None else f"{100.0 * red:.1f}% less time-to-train"),
+    ]
     return "\n".join(out)
 
 
@@ -165,8 +225,10 @@ def main(argv: list[str]) -> None:
     redundancies = cli.int_list("redundancies", _REDUNDANCIES.value)
     microbatches = cli.int_list("microbatches", _MICROBATCHES.value)
     if max(redundancies) > scenario.groups:
-        raise app.UsageError(f"redundancy r={max(redundancies)} exceeds the number of groups "
-                                                  f"G={scenario.groups} (set --redundancies)")
+        raise app.UsageError(
+            f"redundancy r={max(redundancies)} exceeds the number of groups "
+            f"G={scenario.groups} (set --redundancies)"
+        )
     result = plan(scenario, redundancies, microbatches, show_progress=not _JSON.value)
     if _JSON.value:
         print(json.dumps(result, indent=2, sort_keys=False))

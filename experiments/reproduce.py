@@ -466,8 +466,9 @@ def main(argv: list[str]) -> None:
     header = (
         f"Settings: quick={settings.quick}, {settings.replicas} simulated runs per point, "
         f"{settings.work_hours:.0f} h of failure-free work; search r in "
-        f"{min(REDUNDANCIES)}..{max(REDUNDANCIES)}, m in {{{', '.join(map(str, MICROBATCHES))}}} (SPARe "
-        f"adaptive), as experiments/plan.py; {minutes:.1f} min."
+        f"{min(REDUNDANCIES)}..{max(REDUNDANCIES)}, "
+        f"m in {{{', '.join(map(str, MICROBATCHES))}}} (SPARe adaptive), "
+        f"as experiments/plan.py; {minutes:.1f} min."
     )
     _figures.summary(out, header, parts, gpus)
     print(f"wrote {out}/ in {minutes:.1f} min")

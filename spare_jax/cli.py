@@ -31,8 +31,9 @@ def int_list(name: str, values: list[str], low: int = 1) -> list[int]:
     try:
         out = [int(v) for v in values]
     except ValueError:
-        raise app.UsageError(f"--{name} must be a comma-separated list of integers, got "
-                             f"{','.join(values)!r}") from None
+        raise app.UsageError(
+            f"--{name} must be a comma-separated list of integers, got {','.join(values)!r}"
+        ) from None
     if not out or min(out) < low:
         raise app.UsageError(f"--{name} values must be >= {low}, got {out}")
     return out

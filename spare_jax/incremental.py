@@ -33,8 +33,13 @@ class LoadTracker:
             load = tracker.fail(group)  # raises reorder.Interruption when uncovered
     """
 
-    def __init__(self, placement: Placement, microbatches: int = 1, policy: str = "adaptive",
-                              alive: np.ndarray | None = None):
+    def __init__(
+        self,
+        placement: Placement,
+        microbatches: int = 1,
+        policy: str = "adaptive",
+        alive: np.ndarray | None = None,
+    ):
         self.placement = placement
         self.microbatches = int(microbatches)
         self.policy = policy
@@ -79,7 +84,9 @@ class LoadTracker:
         if lost.size:
             raise reorder.Interruption(lost)
         if not self._ring:
-            self._load = reorder.max_load(self.placement, self._alive, self.microbatches, self.policy)
+            self._load = reorder.max_load(
+                self.placement, self._alive, self.microbatches, self.policy
+            )
             return self._load
         ring, pos = self._ring_of[group], self._pos_of[group]
         self._alive2d[ring, pos] = False
@@ -94,7 +101,7 @@ class LoadTracker:
         n, r = self._alive2d.shape[1], self.placement.redundancy
         offsets = np.arange(-(r - 1), r)
         dead = ~self._alive2d[ring, (pos + offsets) % n]
-        above = np.argmin(dead[r - 1:]) if not dead[r - 1:].all() else r
+        above = np.argmin(dead[r - 1 :]) if not dead[r - 1 :].all() else r
         below = np.argmin(dead[:r][::-1]) if not dead[:r].all() else r
         return int(above + below - 1)
 

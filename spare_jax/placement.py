@@ -27,14 +27,14 @@ import numbers
 import numpy as np
 
 __all__ = [
-        "Placement",
-        "cyclic",
-        "strided",
-        "domain_aware",
-        "replication",
-        "data_parallel",
-        "from_stacks",
-        "make",
+    "Placement",
+    "cyclic",
+    "strided",
+    "domain_aware",
+    "replication",
+    "data_parallel",
+    "from_stacks",
+    "make",
 ]
 
 
@@ -118,7 +118,9 @@ def _check_sizes(groups: object, redundancy: object) -> tuple[int, int]:
     g = _check_int("groups", groups, 1)
     r = _check_int("redundancy", redundancy, 1)
     if r > g:
-        raise ValueError(f"redundancy r={r} must not exceed groups G={g} (a shard needs r distinct holders)")
+        raise ValueError(
+            f"redundancy r={r} must not exceed groups G={g} (a shard needs r distinct holders)"
+        )
     return g, r
 
 
@@ -132,8 +134,9 @@ def _invert(stacks: np.ndarray, shards: int, redundancy: int) -> tuple[np.ndarra
     if counts.shape[0] != shards or np.any(counts != redundancy):
         bad = int(np.flatnonzero(counts != redundancy)[0])
         raise ValueError(
-                f"every shard must be held by exactly redundancy={redundancy} groups; "
-                f"shard {bad} is held by {int(counts[bad])}")
+            f"every shard must be held by exactly redundancy={redundancy} groups; "
+            f"shard {bad} is held by {int(counts[bad])}"
+        )
     order = np.lexsort((group, position, shard))
     return group[order].reshape(shards, redundancy), position[order].reshape(shards, redundancy)
 
@@ -146,8 +149,15 @@ def _ring_placement(kind: str, rings: np.ndarray, redundancy: int) -> Placement:
     stacks = np.empty((groups, redundancy), dtype=np.int64)
     stacks[rings.ravel()] = rings[:, offsets].reshape(groups, redundancy)
     holders, positions = _invert(stacks, groups, redundancy)
-    return Placement(kind, groups, redundancy, _readonly(stacks), _readonly(holders),
-                                      _readonly(positions), rings=_readonly(rings.astype(np.int64)))
+    return Placement(
+        kind,
+        groups,
+        redundancy,
+        _readonly(stacks),
+        _readonly(holders),
+        _readonly(positions),
+        rings=_readonly(rings.astype(np.int64)),
+    )
 
 
 def cyclic(groups: int, redundancy: int, ring_size: int | None = None) -> Placement:
@@ -188,7 +198,8 @@ def strided(groups: int, redundancy: int, stride: int | None = None) -> Placemen
     d = math.gcd(s, g)
     if g // d < r:
         raise ValueError(
-                f"stride={s} gives rings of G/gcd(G, s)={g // d} groups, fewer than redundancy r={r}")
+            f"stride={s} gives rings of G/gcd(G, s)={g // d} groups, fewer than redundancy r={r}"
+        )
     rings = (np.arange(d)[:, None] + s * np.arange(g // d)[None, :]) % g
     return _ring_placement("strided", rings, r)
 
@@ -214,9 +225,10 @@ def domain_aware(domains: np.ndarray | list[int], redundancy: int) -> Placement:
     if sizes.max() > rows:
         worst = int(np.argmax(sizes))
         raise ValueError(
-                f"domain {ids[worst]} has {sizes[worst]} of G={g} groups; with redundancy r={r} "
-                f"a domain may hold at most floor(G/r)={rows} groups for every shard's holders "
-                "to fall in distinct domains")
+            f"domain {ids[worst]} has {sizes[worst]} of G={g} groups; with redundancy r={r} "
+            f"a domain may hold at most floor(G/r)={rows} groups for every shard's holders "
+            "to fall in distinct domains"
+        )
     order = np.lexsort((np.arange(g), inverse, -sizes[inverse]))
     cols = -(-g // rows)
     grid = np.full(rows * cols, -1, dtype=np.int64)
@@ -242,8 +254,16 @@ def replication(groups: int, redundancy: int) -> Placement:
     stacks = (np.arange(g) // r)[:, None]
     holders = np.arange(g).reshape(g // r, r)
     positions = np.zeros_like(holders)
-    return Placement("replication", g, r, _readonly(stacks), _readonly(holders),
-                                      _readonly(positions), shard_units=r, duplicate_work=True)
+    return Placement(
+        "replication",
+        g,
+        r,
+        _readonly(stacks),
+        _readonly(holders),
+        _readonly(positions),
+        shard_units=r,
+        duplicate_work=True,
+    )
 
 
 def data_parallel(groups: int) -> Placement:
@@ -263,8 +283,9 @@ def from_stacks(stacks: np.ndarray, redundancy: int | None = None) -> Placement:
     if any(len(set(row)) != len(row) for row in st.tolist()):
         raise ValueError("a group's stack must not hold the same shard twice")
     holders, positions = _invert(st.astype(np.int64), g, r)
-    return Placement("custom", g, r, _readonly(st.astype(np.int64)), _readonly(holders),
-                                      _readonly(positions))
+    return Placement(
+        "custom", g, r, _readonly(st.astype(np.int64)), _readonly(holders), _readonly(positions)
+    )
 
 
 def make(kind: str, groups: int, redundancy: int, **kwargs: object) -> Placement:
@@ -280,4 +301,5 @@ def make(kind: str, groups: int, redundancy: int, **kwargs: object) -> Placement
             raise ValueError(f"data_parallel has redundancy 1, got {redundancy}")
         return data_parallel(groups)
     raise ValueError(
-            f"unknown placement {kind!r}; expected cyclic, strided, replication or data_parallel")
+        f"unknown placement {kind!r}; expected cyclic, strided, replication or data_parallel"
+    )

@@ -36,13 +36,13 @@ import scipy.sparse.csgraph
 from spare_jax.placement import Placement
 
 __all__ = [
-        "Assignment",
-        "Interruption",
-        "POLICIES",
-        "alive_mask",
-        "assign",
-        "max_load",
-        "uncovered",
+    "Assignment",
+    "Interruption",
+    "POLICIES",
+    "alive_mask",
+    "assign",
+    "max_load",
+    "uncovered",
 ]
 
 POLICIES = ("adaptive", "fixed")
@@ -56,7 +56,8 @@ class Interruption(Exception):
         shown = ", ".join(str(s) for s in self.uncovered[:10])
         more = f" (+{self.uncovered.size - 10} more)" if self.uncovered.size > 10 else ""
         super().__init__(
-                f"interruption: {self.uncovered.size} shard(s) have no live holder: {shown}{more}")
+            f"interruption: {self.uncovered.size} shard(s) have no live holder: {shown}{more}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -113,15 +114,18 @@ def alive_mask(groups: int, dead: Iterable[int] = ()) -> np.ndarray:
     return mask
 
 
-def _check(placement: Placement, alive: np.ndarray, microbatches: int,
-                      policy: str) -> np.ndarray:
+def _check(placement: Placement, alive: np.ndarray, microbatches: int, policy: str) -> np.ndarray:
     alive = np.asarray(alive)
     if alive.shape != (placement.groups,) or alive.dtype != bool:
         raise ValueError(
-                f"alive must be a bool array of shape ({placement.groups},), "
-                f"got {alive.dtype} {alive.shape}")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) \
-            or microbatches < 1:
+            f"alive must be a bool array of shape ({placement.groups},), "
+            f"got {alive.dtype} {alive.shape}"
+        )
+    if (
+        isinstance(microbatches, bool)
+        or not isinstance(microbatches, (int, np.integer))
+        or microbatches < 1
+    ):
         raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -165,8 +169,11 @@ def _hall_feasible(alive2d: np.ndarray, r: int, m: int, load: int) -> bool:
     a = alive2d.astype(np.int64)
     if np.any(n * m > load * a.sum(axis=1)):
         return False
-    unrolled = np.concatenate([a[:, n - (r - 1):], a, a], axis=1) if r > 1 else \
-            np.concatenate([a, a], axis=1)
+    unrolled = (
+        np.concatenate([a[:, n - (r - 1) :], a, a], axis=1)
+        if r > 1
+        else np.concatenate([a, a], axis=1)
+    )
     prefix = np.concatenate([np.zeros((a.shape[0], 1), np.int64), np.cumsum(unrolled, axis=1)], 1)
     b = np.arange(2 * n)
     u = m * (b + 1) - load * prefix[:, b + r]
@@ -211,7 +218,7 @@ def _ring_carry(alive2d: np.ndarray, m: int, load: int) -> np.ndarray:
     step = m - np.concatenate([cap, cap], axis=1)
     total = np.cumsum(step, axis=1)
     carry = total - np.minimum.accumulate(np.minimum(total, 0), axis=1)
-    return carry[:, n - 1:]
+    return carry[:, n - 1 :]
 
 
 def _ring_assign(p: Placement, alive: np.ndarray, m: int, load: int):
@@ -237,7 +244,8 @@ def _ring_assign(p: Placement, alive: np.ndarray, m: int, load: int):
         raise AssertionError("sweep assigned work beyond its holders: bug")
     group = rings[:, ::-1]
     shard = np.take_along_axis(group, shard_sweep.reshape(n_rings, -1), axis=1).reshape(
-            shard_sweep.shape)
+        shard_sweep.shape
+    )
     work = np.full((p.groups, load, 2), -1, dtype=np.int32)
     work[group.ravel(), :, 0] = np.where(valid, stack_pos, -1).reshape(-1, load)
     work[group.ravel(), :, 1] = np.where(valid, micro, -1).reshape(-1, load)
@@ -265,8 +273,9 @@ def _flow_graph(p: Placement, alive: np.ndarray, units: int, load: int):
     keep = alive[holders]
     rows = np.concatenate([np.zeros(s, np.int64), 1 + shard_ids[keep], 1 + s + np.arange(g)])
     cols = np.concatenate([1 + np.arange(s), 1 + s + holders[keep], np.full(g, sink)])
-    caps = np.concatenate([np.full(s, units), np.full(keep.sum(), units),
-                                                  np.where(alive, load, 0)]).astype(np.int32)
+    caps = np.concatenate(
+        [np.full(s, units), np.full(keep.sum(), units), np.where(alive, load, 0)]
+    ).astype(np.int32)
     graph = scipy.sparse.csr_array((caps, (rows, cols)), shape=(sink + 1, sink + 1))
     return scipy.sparse.csgraph.maximum_flow(graph, src, sink, method="dinic")
 
@@ -333,8 +342,9 @@ def _work_from_owner(p: Placement, alive: np.ndarray, owner: np.ndarray):
 # ---------------------------------------------------------------- public API
 
 
-def max_load(placement: Placement, alive: np.ndarray, microbatches: int = 1,
-                          policy: str = "adaptive") -> int:
+def max_load(
+    placement: Placement, alive: np.ndarray, microbatches: int = 1, policy: str = "adaptive"
+) -> int:
     """The step's maximum load in micro-batches, without building the assignment.
 
     Raises:
@@ -354,8 +364,9 @@ def max_load(placement: Placement, alive: np.ndarray, microbatches: int = 1,
     return _flow_optimal_load(placement, alive, m)[0]
 
 
-def assign(placement: Placement, alive: np.ndarray, microbatches: int = 1,
-                      policy: str = "adaptive") -> Assignment:
+def assign(
+    placement: Placement, alive: np.ndarray, microbatches: int = 1, policy: str = "adaptive"
+) -> Assignment:
     """Assign every (shard, micro-batch) to exactly one live holder.
 
     Args:

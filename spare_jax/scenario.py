@@ -93,20 +93,37 @@ class Scenario:
 
     def validate(self) -> "Scenario":
         """Raise ValueError naming the first bad field; return self when valid."""
-        positive = ("gpus", "gpus_per_group", "gpu_mtbf_hours", "weibull_shape", "work_hours",
-                                "restart_ref_gpus", "mttr_hours")
+        positive = (
+            "gpus",
+            "gpus_per_group",
+            "gpu_mtbf_hours",
+            "weibull_shape",
+            "work_hours",
+            "restart_ref_gpus",
+            "mttr_hours",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("checkpoint_s", "checkpoint_async_stall_s", "restart_s_ref",
-                                  "restart_exponent", "domain_groups", "domain_failure_fraction",
-                                  "microbatch_overhead"):
+        for name in (
+            "checkpoint_s",
+            "checkpoint_async_stall_s",
+            "restart_s_ref",
+            "restart_exponent",
+            "domain_groups",
+            "domain_failure_fraction",
+            "microbatch_overhead",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.gpus % self.gpus_per_group:
-            raise ValueError(f"gpus={self.gpus} must be a multiple of gpus_per_group={self.gpus_per_group}")
+            raise ValueError(
+                f"gpus={self.gpus} must be a multiple of gpus_per_group={self.gpus_per_group}"
+            )
         if self.failure_law not in ("exponential", "weibull"):
-            raise ValueError(f"failure_law must be 'exponential' or 'weibull', got {self.failure_law!r}")
+            raise ValueError(
+                f"failure_law must be 'exponential' or 'weibull', got {self.failure_law!r}"
+            )
         if self.repair not in ("restart", "hot"):
             raise ValueError(f"repair must be 'restart' or 'hot', got {self.repair!r}")
         return self

@@ -38,7 +38,7 @@ def _brute(strategy: str, groups: int, r: int, f: int) -> float:
             ok = not mask.reshape(-1, r).all(axis=1).any()
         else:
             ring = np.concatenate([mask, mask[: r - 1]])
-            ok = not any(ring[i:i + r].all() for i in range(groups))
+            ok = not any(ring[i : i + r].all() for i in range(groups))
         good += ok
     return good / math.comb(groups, f)
 
@@ -59,8 +59,16 @@ def _miller(groups: int, r: int, f_max: int) -> np.ndarray:
     return b[f, f]
 
 
-@pytest.mark.parametrize("strategy, groups, r", [("spare", 10, 2), ("spare", 12, 3), ("replication", 12, 2),
-                                                                                                  ("replication", 12, 3), ("spare", 9, 4)])
+@pytest.mark.parametrize(
+    "strategy, groups, r",
+    [
+        ("spare", 10, 2),
+        ("spare", 12, 3),
+        ("replication", 12, 2),
+        ("replication", 12, 3),
+        ("spare", 9, 4),
+    ],
+)
 def test_survival_matches_brute_force(strategy, groups, r):
     f = np.arange(groups + 1)
     got = analysis.survival(strategy, groups, r, f)
@@ -90,8 +98,9 @@ def test_design_reference_values():
     assert analysis.endurable_failures("replication", 120, 4) == pytest.approx(46.62, abs=6e-3)
 
 
-@pytest.mark.parametrize("pairs, published", [(1, 3.0), (2, 3.667), (10, 6.675), (100, 18.75),
-                                                                                            (1000, 57.06)])
+@pytest.mark.parametrize(
+    "pairs, published", [(1, 3.0), (2, 3.667), (10, 6.675), (100, 18.75), (1000, 57.06)]
+)
 def test_published_pair_values_any_convention(pairs, published):
     """Casanova et al. 2012 (PARAMETERS.md); counts include the interrupting failure."""
     got = analysis.endurable_failures("replication", 2 * pairs, 2, convention="any")
@@ -103,8 +112,9 @@ def test_any_convention_survival_is_consistent():
     n = np.arange(200)
     s = analysis.survival("replication", groups, 2, n, convention="any")
     assert s[0] == 1.0 and np.all(np.diff(s) <= 1e-15)
-    assert s.sum() == pytest.approx(analysis.endurable_failures("replication", groups, 2, convention="any"),
-                                                                    rel=1e-9)
+    assert s.sum() == pytest.approx(
+        analysis.endurable_failures("replication", groups, 2, convention="any"), rel=1e-9
+    )
 
 
 def test_dp_and_r1():
@@ -124,14 +134,19 @@ def test_large_groups_finite_and_asymptotic(groups, r):
     assert np.all(np.isfinite(curve)) and np.all(np.diff(curve) <= 0) and curve[0] == 0.0
     if r == 2:  # closed form: G/(G-f) prod_{i<f} (G-f-i)/(G-i)
         f = np.arange(0, curve.size, 97)
-        exact = [math.log(groups / (groups - k)) + np.log1p(-k / (groups - np.arange(k))).sum() for k in f]
+        exact = [
+            math.log(groups / (groups - k)) + np.log1p(-k / (groups - np.arange(k))).sum()
+            for k in f
+        ]
         np.testing.assert_allclose(np.exp(curve[f] - exact), 1.0, rtol=5e-8)
 
 
 @pytest.mark.parametrize("groups, r", [(75_000, 2), (600_000, 3)])
 def test_replication_asymptotic(groups, r):
     exact = analysis.endurable_failures("replication", groups, r)
-    assert exact / analysis.endurable_failures_asymptotic("replication", groups, r) == pytest.approx(1, abs=2e-3)
+    assert exact / analysis.endurable_failures_asymptotic(
+        "replication", groups, r
+    ) == pytest.approx(1, abs=2e-3)
     assert exact > analysis.endurable_failures("spare", groups, r)
 
 
@@ -154,9 +169,13 @@ def test_monte_carlo_small_ring():
 
 def test_weibull_shape_one_is_exponential():
     e = analysis.mean_time_to_interruption("spare", 2_000, 3, 5_000.0)
-    w = analysis.mean_time_to_interruption("spare", 2_000, 3, 5_000.0, law="weibull", weibull_shape=1.0)
+    w = analysis.mean_time_to_interruption(
+        "spare", 2_000, 3, 5_000.0, law="weibull", weibull_shape=1.0
+    )
     assert w == pytest.approx(e, rel=1e-6)
-    harmonic = sum(analysis.survival("spare", 2_000, 3, k) / (2_000 - k) for k in range(2_000)) * 5_000.0
+    harmonic = (
+        sum(analysis.survival("spare", 2_000, 3, k) / (2_000 - k) for k in range(2_000)) * 5_000.0
+    )
     assert e == pytest.approx(harmonic, rel=1e-9)
 
 
@@ -169,9 +188,16 @@ def test_hot_repair_extends_time_to_interruption():
     assert slow == pytest.approx(base, rel=1e-3)
 
 
-@pytest.mark.parametrize("bad", [{"strategy": "nope"}, {"groups": 0}, {"redundancy": 0},
-                                                                  {"groups": 3, "redundancy": 4}, {"strategy": "replication", "groups": 10,
-                                                                                                                                          "redundancy": 3}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"strategy": "nope"},
+        {"groups": 0},
+        {"redundancy": 0},
+        {"groups": 3, "redundancy": 4},
+        {"strategy": "replication", "groups": 10, "redundancy": 3},
+    ],
+)
 def test_rejects_bad_input(bad):
     args = {"strategy": "spare", "groups": 10, "redundancy": 2} | bad
     with pytest.raises(ValueError):

@@ -10,7 +10,9 @@ import pytest
 from spare_jax import analysis, placement, reorder
 
 
-def _good_dead_sets(rng: np.random.Generator, groups: int, r: int, k: int, n: int) -> list[np.ndarray]:
+def _good_dead_sets(
+    rng: np.random.Generator, groups: int, r: int, k: int, n: int
+) -> list[np.ndarray]:
     """n uniform k-subsets of the ring with no r consecutive dead groups (rejection)."""
     out = []
     while len(out) < n:
@@ -68,7 +70,9 @@ def test_fixed_order_two_dead_closed_form():
     assert analysis.overhead("fixed", g, 3, 1, 2) == pytest.approx(want, rel=1e-9)
 
 
-@pytest.mark.parametrize("groups, r, m", [(1_000, 2, 8), (1_000, 3, 8), (2_000, 4, 4), (1_000, 3, 1)])
+@pytest.mark.parametrize(
+    "groups, r, m", [(1_000, 2, 8), (1_000, 3, 8), (2_000, 4, 4), (1_000, 3, 1)]
+)
 def test_adaptive_monte_carlo(groups, r, m):
     """Within 3% (plus 4 standard errors) of the exact loads of random good dead sets."""
     rng = np.random.default_rng(groups + 10 * r + m)

@@ -16,8 +16,9 @@ from spare_jax.scenario import Scenario
 MIN, HOUR = 60.0, 3600.0
 
 
-@pytest.mark.parametrize("m_min, daly_min, young_min", [(24 * 60, 117, 120), (6 * 60, 57, 60),
-                                                                                                          (15, 9.1, 12.2)])
+@pytest.mark.parametrize(
+    "m_min, daly_min, young_min", [(24 * 60, 117, 120), (6 * 60, 57, 60), (15, 9.1, 12.2)]
+)
 def test_daly_worked_values(m_min, daly_min, young_min):
     """Daly 2006's worked examples (PARAMETERS.md): C = 5 min."""
     assert analysis.young(5 * MIN, m_min * MIN) / MIN == pytest.approx(young_min, abs=0.06)
@@ -44,7 +45,13 @@ def test_checkpoint_restart_matches_exact_renewal_form():
     est = analysis.time_to_train(s, "checkpoint_restart")
     gap = s.group_mtbf_s / s.groups
     tau = analysis.exact_optimum(s.checkpoint_s, gap)
-    want = s.work_hours * HOUR / tau * (gap + s.restart_seconds()) * math.expm1((tau + s.checkpoint_s) / gap)
+    want = (
+        s.work_hours
+        * HOUR
+        / tau
+        * (gap + s.restart_seconds())
+        * math.expm1((tau + s.checkpoint_s) / gap)
+    )
     assert est.time_to_train_s == pytest.approx(want, rel=1e-6)
     assert est.checkpoint_interval_s == pytest.approx(tau, rel=1e-3)
     assert est.mean_time_to_interruption_s == pytest.approx(gap)
@@ -76,7 +83,9 @@ def test_monotone_in_costs():
     assert analysis.time_to_train(slower_restart, "spare", redundancy=3).time_to_train_s > t0
     assert analysis.time_to_train(worse_gpus, "spare", redundancy=3).time_to_train_s > t0
     costly_m = dataclasses.replace(base, microbatch_overhead=0.05)
-    assert analysis.time_to_train(costly_m, "spare", redundancy=3, microbatches=8).time_to_train_s > t0
+    assert (
+        analysis.time_to_train(costly_m, "spare", redundancy=3, microbatches=8).time_to_train_s > t0
+    )
 
 
 def test_hot_repair_and_weibull_run():
@@ -85,7 +94,9 @@ def test_hot_repair_and_weibull_run():
     cold = analysis.time_to_train(s, "spare", redundancy=3)
     assert hot.time_to_train_s < cold.time_to_train_s
     assert hot.overhead_mean < cold.overhead_mean
-    wb = analysis.time_to_train(dataclasses.replace(s, failure_law="weibull"), "replication", redundancy=2)
+    wb = analysis.time_to_train(
+        dataclasses.replace(s, failure_law="weibull"), "replication", redundancy=2
+    )
     assert math.isfinite(wb.time_to_train_s)
 
 
@@ -99,8 +110,11 @@ def test_domain_failures_interrupt_when_domains_cover_r():
 def test_optimiser_picks_the_best_candidate():
     s = Scenario(gpus=80_000)
     plan = analysis.optimise(s, "spare", redundancies=(2, 3, 4), microbatches=(1, 8))
-    best = min((analysis.time_to_train(s, "spare", redundancy=r, microbatches=m).time_to_train_s, r, m)
-                          for r in (2, 3, 4) for m in (1, 8))
+    best = min(
+        (analysis.time_to_train(s, "spare", redundancy=r, microbatches=m).time_to_train_s, r, m)
+        for r in (2, 3, 4)
+        for m in (1, 8)
+    )
     assert (plan.redundancy, plan.microbatches) == best[1:]
     assert plan.estimate.time_to_train_s == pytest.approx(best[0])
     rep = analysis.optimise(s, "replication", redundancies=(1, 2, 3, 7))
@@ -109,11 +123,17 @@ def test_optimiser_picks_the_best_candidate():
     assert cr.redundancy == 1
 
 
-@pytest.mark.parametrize("bad", [{"strategy": "nope"}, {"strategy": "spare", "policy": "nope"},
-                                                                  {"strategy": "checkpoint_restart", "redundancy": 2},
-                                                                  {"strategy": "spare", "redundancy": 0},
-                                                                  {"strategy": "spare", "redundancy": 3, "checkpoint_interval_s": -1.0},
-                                                                  {"strategy": "replication", "redundancy": 7}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"strategy": "nope"},
+        {"strategy": "spare", "policy": "nope"},
+        {"strategy": "checkpoint_restart", "redundancy": 2},
+        {"strategy": "spare", "redundancy": 0},
+        {"strategy": "spare", "redundancy": 3, "checkpoint_interval_s": -1.0},
+        {"strategy": "replication", "redundancy": 7},
+    ],
+)
 def test_rejects_bad_input(bad):
     args = dict(bad)
     strategy = args.pop("strategy")
@@ -121,7 +141,9 @@ def test_rejects_bad_input(bad):
         analysis.time_to_train(Scenario(gpus=80_000), strategy, **args)
 
 
-def _simulate(s: Scenario, strategy: str, r: int, m: int, tau: float, rng: np.random.Generator) -> float:
+def _simulate(
+    s: Scenario, strategy: str, r: int, m: int, tau: float, rng: np.random.Generator
+) -> float:
     """A compact player of the scenario rules (exponential, restart repair): wall time to train."""
     g = s.groups
     p = placement.replication(g, r) if strategy == "replication" else placement.cyclic(g, r)
@@ -160,11 +182,19 @@ def _simulate(s: Scenario, strategy: str, r: int, m: int, tau: float, rng: np.ra
 @pytest.mark.parametrize("strategy, r, m", [("spare", 3, 4), ("replication", 2, 1)])
 def test_time_to_train_against_own_monte_carlo(strategy, r, m):
     """Small cluster, several interruptions per run: the closed form within 2.5% (issue: 5%)."""
-    s = Scenario(gpus=8_000, gpu_mtbf_hours=1_000.0, work_hours=60.0, checkpoint_s=300.0,
-                              restart_s_ref=1800.0, restart_ref_gpus=8_000)
+    s = Scenario(
+        gpus=8_000,
+        gpu_mtbf_hours=1_000.0,
+        work_hours=60.0,
+        checkpoint_s=300.0,
+        restart_s_ref=1800.0,
+        restart_ref_gpus=8_000,
+    )
     est = analysis.time_to_train(s, strategy, redundancy=r, microbatches=m)
     assert est.interruptions > 3
     rng = np.random.default_rng(7)
-    runs = np.array([_simulate(s, strategy, r, m, est.checkpoint_interval_s, rng) for _ in range(150)])
+    runs = np.array(
+        [_simulate(s, strategy, r, m, est.checkpoint_interval_s, rng) for _ in range(150)]
+    )
     se = runs.std() / math.sqrt(runs.size)
     assert abs(runs.mean() / est.time_to_train_s - 1) < 0.025 + 3 * se / runs.mean()

@@ -16,8 +16,13 @@ def test_benchmark_compiles(script):
 
 
 def test_reorder_benchmark_runs_and_prints_targets():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reorder.py"), "--repeats=1"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "reorder.py"), "--repeats=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert "assign adaptive, G=75000 r=4 m=8 5% dead" in result.stdout
     assert "assign max-flow" in result.stdout

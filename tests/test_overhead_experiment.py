@@ -12,14 +12,25 @@ BINARY = ROOT / "experiments" / "overhead.py"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BINARY), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(BINARY), *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
 
 
 def test_sweep_writes_table_csv_and_plot(tmp_path):
     out = tmp_path / "o"
-    result = run("--groups", "240", "--trials", "4", "--redundancy", "2,3,4",
-                 "--microbatches", "1,4", "--out", str(out))
+    result = run(
+        "--groups",
+        "240",
+        "--trials",
+        "4",
+        "--redundancy",
+        "2,3,4",
+        "--microbatches",
+        "1,4",
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     assert "replication" in result.stdout and "adaptive" in result.stdout
     assert (out / "overhead.png").stat().st_size > 10_000
@@ -38,8 +49,16 @@ def test_sweep_writes_table_csv_and_plot(tmp_path):
     assert {row["policy"] for row in curve} == {"adaptive", "fixed", "replication"}
 
 
-@pytest.mark.parametrize("args", [["--groups=abc"], ["--redundancy=x"], ["--groups", "1"],
-                                  ["--groups", "3", "--redundancy", "4"], ["stray"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--groups=abc"],
+        ["--redundancy=x"],
+        ["--groups", "1"],
+        ["--groups", "3", "--redundancy", "4"],
+        ["stray"],
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(args):
     result = run(*args)
     assert result.returncode == 2

@@ -45,8 +45,9 @@ def test_strided_with_explicit_stride():
 def test_domain_aware_exactly_when_possible(groups, data):
     r = data.draw(st.integers(1, groups))
     n_domains = data.draw(st.integers(1, groups))
-    domains = np.array(data.draw(st.lists(st.integers(0, n_domains - 1), min_size=groups,
-                                          max_size=groups)))
+    domains = np.array(
+        data.draw(st.lists(st.integers(0, n_domains - 1), min_size=groups, max_size=groups))
+    )
     largest = np.bincount(domains).max()
     if largest > groups // r:
         with pytest.raises(ValueError, match="domain"):
@@ -83,18 +84,21 @@ def test_from_stacks_roundtrip():
     assert p.rings is None
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: placement.cyclic(10, 0), "redundancy must be >= 1"),
-    (lambda: placement.cyclic(3, 4), "must not exceed groups"),
-    (lambda: placement.cyclic(10, 2.5), "redundancy must be an integer"),
-    (lambda: placement.cyclic("10", 2), "groups must be an integer"),
-    (lambda: placement.cyclic(0, 1), "groups must be >= 1"),
-    (lambda: placement.replication(10, 3), "divisible"),
-    (lambda: placement.cyclic(10, 2, ring_size=3), "ring_size"),
-    (lambda: placement.domain_aware([0, 0, 1], 2), "floor"),
-    (lambda: placement.from_stacks([[0, 0], [1, 1]]), "same shard"),
-    (lambda: placement.make("ring", 4, 2), "unknown placement"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: placement.cyclic(10, 0), "redundancy must be >= 1"),
+        (lambda: placement.cyclic(3, 4), "must not exceed groups"),
+        (lambda: placement.cyclic(10, 2.5), "redundancy must be an integer"),
+        (lambda: placement.cyclic("10", 2), "groups must be an integer"),
+        (lambda: placement.cyclic(0, 1), "groups must be >= 1"),
+        (lambda: placement.replication(10, 3), "divisible"),
+        (lambda: placement.cyclic(10, 2, ring_size=3), "ring_size"),
+        (lambda: placement.domain_aware([0, 0, 1], 2), "floor"),
+        (lambda: placement.from_stacks([[0, 0], [1, 1]]), "same shard"),
+        (lambda: placement.make("ring", 4, 2), "unknown placement"),
+    ],
+)
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -18,12 +18,20 @@ PLAN = ROOT / "experiments" / "plan.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PLAN), *args], check=False, capture_output=True, text=True,
-                                                timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(PLAN), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def _configs():
-    spec = importlib.util.spec_from_file_location("scenarios_config", ROOT / "configs" / "scenarios.py")
+    spec = importlib.util.spec_from_file_location(
+        "scenarios_config", ROOT / "configs" / "scenarios.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -36,8 +44,14 @@ def test_json_default_scenario():
     names = [s["name"] for s in data["strategies"]]
     assert names == ["checkpoint_restart", "replication", "spare_fixed", "spare_adaptive"]
     for s in data["strategies"]:
-        for key in ("redundancy", "checkpoint_interval_s", "microbatches", "time_to_train_days",
-                                "availability", "overhead_mean"):
+        for key in (
+            "redundancy",
+            "checkpoint_interval_s",
+            "microbatches",
+            "time_to_train_days",
+            "availability",
+            "overhead_mean",
+        ):
             assert key in s
     by = {s["name"]: s for s in data["strategies"]}
     want = 1 - by["spare_adaptive"]["time_to_train_days"] / by["replication"]["time_to_train_days"]
@@ -45,14 +59,26 @@ def test_json_default_scenario():
     # Matches the library's optimiser on the same scenario.
     plan = analysis.optimise(Scenario(), "replication")
     assert by["replication"]["redundancy"] == plan.redundancy
-    assert by["replication"]["time_to_train_days"] == pytest.approx(plan.estimate.time_to_train_days)
+    assert by["replication"]["time_to_train_days"] == pytest.approx(
+        plan.estimate.time_to_train_days
+    )
 
 
 def test_table_and_overrides():
-    out = _run("--gpus", "80000", "--checkpoint_s", "120", "--restart_s", "900", "--redundancies", "1,2,3")
+    out = _run(
+        "--gpus", "80000", "--checkpoint_s", "120", "--restart_s", "900", "--redundancies", "1,2,3"
+    )
     assert out.returncode == 0, out.stderr
-    assert "80,000 GPUs" in out.stdout and "checkpoint 120 s" in out.stdout and "restart 900 s" in out.stdout
-    lines = [line for line in out.stdout.splitlines() if line.startswith(("checkpoint_restart", "spare_"))]
+    assert (
+        "80,000 GPUs" in out.stdout
+        and "checkpoint 120 s" in out.stdout
+        and "restart 900 s" in out.stdout
+    )
+    lines = [
+        line
+        for line in out.stdout.splitlines()
+        if line.startswith(("checkpoint_restart", "spare_"))
+    ]
     assert len(lines) == 3
 
 
@@ -62,11 +88,22 @@ def test_scenario_config_flag():
     assert json.loads(out.stdout)["scenario"]["gpus"] == 10_000
 
 
-@pytest.mark.parametrize("args", [("--gpus", "-5"), ("--gpus", "0"), ("--gpus_per_group", "0"),
-                                                                    ("--checkpoint_s", "-1"), ("--gpu_mtbf_hours", "0"),
-                                                                    ("--gpus", "16", "--redundancies", "3"), ("--redundancies", "0"),
-                                                                    ("--failure_law", "gamma"), ("--gpus", "100"), ("--bogus", "1"),
-                                                                    ("--microbatches", "x")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--gpus", "-5"),
+        ("--gpus", "0"),
+        ("--gpus_per_group", "0"),
+        ("--checkpoint_s", "-1"),
+        ("--gpu_mtbf_hours", "0"),
+        ("--gpus", "16", "--redundancies", "3"),
+        ("--redundancies", "0"),
+        ("--failure_law", "gamma"),
+        ("--gpus", "100"),
+        ("--bogus", "1"),
+        ("--microbatches", "x"),
+    ],
+)
 def test_bad_values_exit_2_with_one_line(args):
     out = _run(*args)
     assert out.returncode == 2

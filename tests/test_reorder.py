@@ -29,9 +29,14 @@ def brute_force_load(p, alive, m):
 
 def cyclic_case():
     """A ring, a redundancy, micro-batches and a random live mask."""
-    return st.integers(2, 40).flatmap(lambda g: st.tuples(
-        st.just(g), st.integers(2, min(5, g)), st.integers(1, 4),
-        st.lists(st.booleans(), min_size=g, max_size=g).filter(any)))
+    return st.integers(2, 40).flatmap(
+        lambda g: st.tuples(
+            st.just(g),
+            st.integers(2, min(5, g)),
+            st.integers(1, 4),
+            st.lists(st.booleans(), min_size=g, max_size=g).filter(any),
+        )
+    )
 
 
 def longest_dead_run(alive):
@@ -127,8 +132,11 @@ def test_strided_and_domain_aware_optimal(g, r, m, data):
     r = min(r, g)
     alive = np.array(data.draw(st.lists(st.booleans(), min_size=g, max_size=g).filter(any)))
     domains = np.arange(g) // (g // r)  # domains of floor(G/r) groups: the largest allowed
-    for p in (placement.strided(g, r), placement.domain_aware(domains, r),
-              placement.cyclic(g, r, ring_size=g // 2) if g % 2 == 0 and g // 2 >= r else None):
+    for p in (
+        placement.strided(g, r),
+        placement.domain_aware(domains, r),
+        placement.cyclic(g, r, ring_size=g // 2) if g % 2 == 0 and g // 2 >= r else None,
+    ):
         if p is None or reorder.uncovered(p, alive).size:
             continue
         a = reorder.assign(p, alive, m)
@@ -145,8 +153,11 @@ def test_interruption_lists_uncovered_shards():
     assert "6" in str(info.value)
 
 
-@given(st.integers(2, 8).flatmap(lambda r: st.tuples(st.just(r), st.integers(1, 12))),
-       st.integers(1, 4), st.data())
+@given(
+    st.integers(2, 8).flatmap(lambda r: st.tuples(st.just(r), st.integers(1, 12))),
+    st.integers(1, 4),
+    st.data(),
+)
 def test_replication_costs_r_and_counts_each_microbatch_once(rs, m, data):
     r, sets = rs
     g = r * sets
@@ -182,29 +193,39 @@ def test_sparse_failures_cost_one_extra_microbatch():
 def test_padded_work():
     a = reorder.assign(placement.cyclic(6, 2), reorder.alive_mask(6, [2]), 2)
     work, counted = a.padded(a.max_load + 2)
-    assert work.shape == (6, a.max_load + 2, 2) and (work[:, a.max_load:] == -1).all()
+    assert work.shape == (6, a.max_load + 2, 2) and (work[:, a.max_load :] == -1).all()
     assert counted.sum() == a.counted.sum() == 12
     with pytest.raises(ValueError):
         a.padded(a.max_load - 1)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(alive=np.ones(5, bool)), "shape"),
-    (dict(alive=np.ones(6, int)), "bool"),
-    (dict(microbatches=0), "microbatches"),
-    (dict(policy="greedy"), "policy"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(alive=np.ones(5, bool)), "shape"),
+        (dict(alive=np.ones(6, int)), "bool"),
+        (dict(microbatches=0), "microbatches"),
+        (dict(policy="greedy"), "policy"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
-    args = dict(placement=placement.cyclic(6, 2), alive=np.ones(6, bool), microbatches=1,
-                policy="adaptive")
+    args = dict(
+        placement=placement.cyclic(6, 2), alive=np.ones(6, bool), microbatches=1, policy="adaptive"
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         reorder.assign(**args)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(3, 60), st.integers(1, 5), st.integers(1, 5), st.sampled_from(
-    ["adaptive", "fixed"]), st.sampled_from(["cyclic", "strided", "custom"]), st.randoms())
+@given(
+    st.integers(3, 60),
+    st.integers(1, 5),
+    st.integers(1, 5),
+    st.sampled_from(["adaptive", "fixed"]),
+    st.sampled_from(["cyclic", "strided", "custom"]),
+    st.randoms(),
+)
 def test_tracker_matches_full_solve(g, r, m, policy, kind, rand):
     r = min(r, g)
     p = {"cyclic": placement.cyclic, "strided": placement.strided}.get(kind)

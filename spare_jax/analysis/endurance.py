@@ -49,18 +49,25 @@ import numpy as np
 from scipy import special
 
 __all__ = [
-        "STRATEGIES",
-        "canonical",
-        "endurable_failures",
-        "endurable_failures_asymptotic",
-        "log_survival_curve",
-        "mean_time_to_interruption",
-        "survival",
+    "STRATEGIES",
+    "canonical",
+    "endurable_failures",
+    "endurable_failures_asymptotic",
+    "log_survival_curve",
+    "mean_time_to_interruption",
+    "survival",
 ]
 
 STRATEGIES = ("spare", "replication", "dp", "checkpoint_restart")
-_ALIASES = {"spare": "spare", "cyclic": "spare", "strided": "spare", "replication": "replication",
-                        "dp": "dp", "checkpoint_restart": "dp", "data_parallel": "dp"}
+_ALIASES = {
+    "spare": "spare",
+    "cyclic": "spare",
+    "strided": "spare",
+    "replication": "replication",
+    "dp": "dp",
+    "checkpoint_restart": "dp",
+    "data_parallel": "dp",
+}
 _LOG_FLOOR = -30.0 * math.log(10.0)  # stop once P(f) < 1e-30
 
 
@@ -70,14 +77,19 @@ def canonical(strategy: str) -> str:
         return _ALIASES[strategy]
     except (KeyError, TypeError):
         raise ValueError(
-                f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}") from None
+            f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}"
+        ) from None
 
 
 def _check(strategy: str, groups: int, redundancy: int) -> tuple[str, int, int]:
     kind = canonical(strategy)
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
         raise ValueError(f"groups must be a positive integer, got {groups!r}")
-    if isinstance(redundancy, bool) or not isinstance(redundancy, (int, np.integer)) or redundancy < 1:
+    if (
+        isinstance(redundancy, bool)
+        or not isinstance(redundancy, (int, np.integer))
+        or redundancy < 1
+    ):
         raise ValueError(f"redundancy must be a positive integer, got {redundancy!r}")
     groups, redundancy = int(groups), int(redundancy)
     if redundancy > groups:
@@ -105,8 +117,9 @@ def _log_binom(n: int, k: np.ndarray) -> np.ndarray:
     return -math.log(n + 1) - special.betaln(n - k + 1, k + 1)
 
 
-def _log_generating(kind: str, groups: int, r: int, p: float,
-                                        theta: np.ndarray) -> np.ndarray | tuple[np.ndarray, float]:
+def _log_generating(
+    kind: str, groups: int, r: int, p: float, theta: np.ndarray
+) -> np.ndarray | tuple[np.ndarray, float]:
     """log of the tilted generating function at z = exp(i theta), minus its value at z = 1.
 
     Returns complex log-values `L(theta) - L(0)` for replication; for stacking, the
@@ -117,7 +130,7 @@ def _log_generating(kind: str, groups: int, r: int, p: float,
     z = np.exp(1j * theta)
     if kind == "replication":
         h = (a + b * z) ** r - (b * z) ** r
-        h0 = (a + b) ** r - b ** r
+        h0 = (a + b) ** r - b**r
         return (groups // r) * (np.log(h) - math.log(h0))
     # Stacking: state = length of the current dead run (0..r-1); eigenvalues mu solve
     # mu^r = a (mu^(r-1) + (bz) mu^(r-2) + ... + (bz)^(r-1)).
@@ -159,7 +172,9 @@ def _log_generating(kind: str, groups: int, r: int, p: float,
         if theta[0] == 0.0:  # normalise by the same computation's root at z = 1
             perron = float(mu[0, 0].real)
     with np.errstate(divide="ignore"):
-        return groups * (np.log(mu.astype(np.complex128)) - math.log(perron)), groups * math.log(perron)
+        return groups * (np.log(mu.astype(np.complex128)) - math.log(perron)), groups * math.log(
+            perron
+        )
 
 
 def _window(kind: str, groups: int, r: int, lo: int, hi: int, p: float) -> np.ndarray:
@@ -174,7 +189,7 @@ def _window(kind: str, groups: int, r: int, lo: int, hi: int, p: float) -> np.nd
     if kind == "replication":
         log_g = _log_generating(kind, groups, r, p, theta)
         vals = np.exp(log_g)
-        log_norm = (groups // r) * math.log(1.0 - p ** r)
+        log_norm = (groups // r) * math.log(1.0 - p**r)
     else:
         log_terms, log_norm = _log_generating(kind, groups, r, p, theta)
         vals = np.exp(log_terms).sum(axis=1)
@@ -183,8 +198,9 @@ def _window(kind: str, groups: int, r: int, lo: int, hi: int, p: float) -> np.nd
     c = coeff[f % size]
     with np.errstate(divide="ignore", invalid="ignore"):
         log_c = np.where(c > 0, np.log(np.where(c > 0, c, 1.0)), -np.inf)
-    log_p = (log_c + log_norm - (groups - f) * math.log1p(-p) - f * math.log(p)
-                      - _log_binom(groups, f))
+    log_p = (
+        log_c + log_norm - (groups - f) * math.log1p(-p) - f * math.log(p) - _log_binom(groups, f)
+    )
     return np.minimum(log_p, 0.0)
 
 
@@ -192,20 +208,24 @@ def _site_mean(kind: str, r: int, x: float) -> float:
     """Mean dead fraction per group at dead-odds e^x, conditioned on no interruption (G -> inf)."""
     p = 1.0 / (1.0 + math.exp(-x))
     if kind == "replication":
-        return (p - p ** r) / (1.0 - p ** r)
+        return (p - p**r) / (1.0 - p**r)
     a, b = 1.0 - p, p
     # Perron root of g(mu) = mu^r - a sum_j b^j mu^(r-1-j) (its only positive root,
     # <= 1), by Newton from mu = 1; then d log mu / d log b by implicit differentiation.
     mu = 1.0
     for _ in range(100):
-        g = mu ** r - a * sum(b ** j * mu ** (r - 1 - j) for j in range(r))
-        dg = r * mu ** (r - 1) - a * sum((r - 1 - j) * b ** j * mu ** (r - 2 - j) for j in range(r - 1))
+        g = mu**r - a * sum(b**j * mu ** (r - 1 - j) for j in range(r))
+        dg = r * mu ** (r - 1) - a * sum(
+            (r - 1 - j) * b**j * mu ** (r - 2 - j) for j in range(r - 1)
+        )
         step = g / dg
         mu -= step
         if abs(step) < 1e-15 * mu:
             break
-    dg_dlogb = -a * sum(j * b ** j * mu ** (r - 1 - j) for j in range(r))
-    dg_dmu = r * mu ** (r - 1) - a * sum((r - 1 - j) * b ** j * mu ** (r - 2 - j) for j in range(r - 1))
+    dg_dlogb = -a * sum(j * b**j * mu ** (r - 1 - j) for j in range(r))
+    dg_dmu = r * mu ** (r - 1) - a * sum(
+        (r - 1 - j) * b**j * mu ** (r - 2 - j) for j in range(r - 1)
+    )
     return float(-dg_dlogb / dg_dmu / mu)
 
 
@@ -283,8 +303,9 @@ def _any_survival(curve: np.ndarray, groups: int, failures: np.ndarray) -> np.nd
     return out[failures]
 
 
-def survival(strategy: str, groups: int, redundancy: int, failures, *,
-                          convention: str = "live") -> np.ndarray:
+def survival(
+    strategy: str, groups: int, redundancy: int, failures, *, convention: str = "live"
+) -> np.ndarray:
     """P(no interruption after `failures` failures).
 
     Args:
@@ -310,8 +331,9 @@ def survival(strategy: str, groups: int, redundancy: int, failures, *,
     raise ValueError(f"convention must be 'live' or 'any', got {convention!r}")
 
 
-def endurable_failures(strategy: str, groups: int, redundancy: int, *,
-                                              convention: str = "live") -> float:
+def endurable_failures(
+    strategy: str, groups: int, redundancy: int, *, convention: str = "live"
+) -> float:
     """Exact mean number of failures to interruption, the interrupting one included.
 
     Under "any" the count also includes failures that struck already dead groups
@@ -341,8 +363,15 @@ def endurable_failures_asymptotic(strategy: str, groups: int, redundancy: int) -
     return base * (r ** (1.0 / r) if kind == "replication" else 1.0)
 
 
-def mean_time_to_interruption(strategy: str, groups: int, redundancy: int, group_mtbf_s: float,
-                                                            *, law: str = "exponential", weibull_shape: float = 1.0) -> float:
+def mean_time_to_interruption(
+    strategy: str,
+    groups: int,
+    redundancy: int,
+    group_mtbf_s: float,
+    *,
+    law: str = "exponential",
+    weibull_shape: float = 1.0,
+) -> float:
     """Mean time from a fresh start to the first interruption, no repair.
 
     Exponential: E[sum_{i<F} 1 / ((G - i) lambda)] = sum_k P(k) / ((G - k) lambda).
@@ -353,6 +382,7 @@ def mean_time_to_interruption(strategy: str, groups: int, redundancy: int, group
     """
     from spare_jax.analysis import weights  # local import: weights imports this module
 
-    w = weights.time_in_state(strategy, groups, redundancy, group_mtbf_s, law=law,
-                                                        weibull_shape=weibull_shape)
+    w = weights.time_in_state(
+        strategy, groups, redundancy, group_mtbf_s, law=law, weibull_shape=weibull_shape
+    )
     return float(w.sum())

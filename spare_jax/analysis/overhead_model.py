@@ -125,7 +125,9 @@ def _walk_rates(redundancy: int, microbatches: int, p: np.ndarray) -> np.ndarray
 
 
 @functools.lru_cache(maxsize=128)
-def _adaptive_table(redundancy: int, microbatches: int, x_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _adaptive_table(
+    redundancy: int, microbatches: int, x_max: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(grid log-odds, conditioned dead fraction, log(-log(rho_v/rho_inf)) [v, grid]).
 
     The grid stops at log-odds `x_max`: 0 covers every k with non-negligible
@@ -158,7 +160,8 @@ def _adaptive(groups: int, r: int, m: int, k: np.ndarray) -> tuple[np.ndarray, n
     rate = -np.exp(np.array([np.interp(x, grid, row) for row in log_neg]))
     p_ge = -np.expm1(groups * rate)
     p_ge = np.where((v[:, None] > g_term[None, :]) & (k[None, :] >= r), p_ge, 0.0)
-    # E[f(max(g, V))] = f(g) + sum_{v > g} P(V >= v) (f(v) - f(v - 1)), f(v) = 1 + v/m or its inverse.
+    # E[f(max(g, V))] = f(g) + sum_{v > g} P(V >= v) (f(v) - f(v - 1)),
+    # f(v) = 1 + v/m or its inverse.
     mean = out + p_ge.sum(axis=0) / m
     step_inv = 1.0 / (1.0 + v / m) - 1.0 / (1.0 + (v - 1) / m)
     inverse = 1.0 / out + np.sum(p_ge * step_inv[:, None], axis=0)
@@ -185,8 +188,9 @@ def _fixed(groups: int, r: int, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, inverse
 
 
-def overhead_moments(policy: str, groups: int, redundancy: int, microbatches: int,
-                                          dead) -> tuple[np.ndarray, np.ndarray]:
+def overhead_moments(
+    policy: str, groups: int, redundancy: int, microbatches: int, dead
+) -> tuple[np.ndarray, np.ndarray]:
     """(E[o | k], E[1/o | k]) for k = `dead` (array); the second drives progress (rate 1/o)."""
     strategy = {"adaptive": "spare", "fixed": "spare"}.get(policy, policy)
     kind, g, r = endurance._check(strategy, groups, redundancy)
@@ -206,7 +210,9 @@ def overhead_moments(policy: str, groups: int, redundancy: int, microbatches: in
     return np.where(possible, mean, np.nan), np.where(possible, inverse, np.nan)
 
 
-def overhead(policy: str, groups: int, redundancy: int, microbatches: int, dead) -> np.ndarray | float:
+def overhead(
+    policy: str, groups: int, redundancy: int, microbatches: int, dead
+) -> np.ndarray | float:
     """Expected computation overhead (max load / m) given `dead` dead groups and no interruption.
 
     Args:
@@ -222,7 +228,11 @@ def overhead(policy: str, groups: int, redundancy: int, microbatches: int, dead)
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
+    if (
+        isinstance(microbatches, bool)
+        or not isinstance(microbatches, (int, np.integer))
+        or microbatches < 1
+    ):
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     k = np.asarray(dead)
     if not np.issubdtype(k.dtype, np.integer) or np.any(k < 0):

@@ -127,12 +127,23 @@ def _epoch(scenario: Scenario, kind: str, policy: str, r: int, m: int) -> renewa
         rate_end = float(np.sum(hazard * inv) / hazard.sum())
         t = np.array([0.0, 1.0])
         return renewal.AgeModel(t, t * rate, t * o_mean, t / gap, gap, rate, o_mean, rate_end)
-    return renewal.age_model(kind, g, r, mtbf, o, horizon_s=horizon, law=scenario.failure_law,
-                                                      weibull_shape=scenario.weibull_shape, extra_rate=nu, inverse=inv)
+    return renewal.age_model(
+        kind,
+        g,
+        r,
+        mtbf,
+        o,
+        horizon_s=horizon,
+        law=scenario.failure_law,
+        weibull_shape=scenario.weibull_shape,
+        extra_rate=nu,
+        inverse=inv,
+    )
 
 
-def _wall(model: renewal.AgeModel, work: float, tau: float, c_block: float, extra: float,
-                    restart: float) -> tuple[float, float, float, float]:
+def _wall(
+    model: renewal.AgeModel, work: float, tau: float, c_block: float, extra: float, restart: float
+) -> tuple[float, float, float, float]:
     """(wall, uptime, interruptions, lost uptime) to finish `work` seconds of progress.
 
     Uptime U solves (progress(U) - N(U) (l + extra) rate_end) tau / s = work: a
@@ -174,9 +185,15 @@ def _wall(model: renewal.AgeModel, work: float, tau: float, c_block: float, extr
     return u + n * restart, u, n, n * per
 
 
-def time_to_train(scenario: Scenario, strategy: str, *, redundancy: int = 1,
-                                    checkpoint_interval_s: float | None = None, microbatches: int = 8,
-                                    policy: str = "adaptive") -> Estimate:
+def time_to_train(
+    scenario: Scenario,
+    strategy: str,
+    *,
+    redundancy: int = 1,
+    checkpoint_interval_s: float | None = None,
+    microbatches: int = 8,
+    policy: str = "adaptive",
+) -> Estimate:
     """Expected time-to-train and its companions for one strategy.
 
     Args:
@@ -193,9 +210,17 @@ def time_to_train(scenario: Scenario, strategy: str, *, redundancy: int = 1,
         An `Estimate`.
     """
     scenario.validate()
-    if isinstance(redundancy, bool) or not isinstance(redundancy, (int, np.integer)) or redundancy < 1:
+    if (
+        isinstance(redundancy, bool)
+        or not isinstance(redundancy, (int, np.integer))
+        or redundancy < 1
+    ):
         raise ValueError(f"redundancy must be a positive integer, got {redundancy!r}")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
+    if (
+        isinstance(microbatches, bool)
+        or not isinstance(microbatches, (int, np.integer))
+        or microbatches < 1
+    ):
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     kind, pol = _strategy(strategy, int(redundancy), policy)
     r, g = int(redundancy), scenario.groups
@@ -206,7 +231,9 @@ def time_to_train(scenario: Scenario, strategy: str, *, redundancy: int = 1,
     m = int(microbatches) if pol == "adaptive" else 1
     model = _epoch(scenario, kind, pol, r, m)
     work = scenario.work_hours * 3600.0 * (1.0 + scenario.microbatch_overhead * (m - 1))
-    c_block = scenario.checkpoint_async_stall_s if scenario.checkpoint_async else scenario.checkpoint_s
+    c_block = (
+        scenario.checkpoint_async_stall_s if scenario.checkpoint_async else scenario.checkpoint_s
+    )
     extra = scenario.checkpoint_s if scenario.checkpoint_async else 0.0  # in-flight save lost
     restart = scenario.restart_seconds()
     if checkpoint_interval_s is None:
@@ -217,28 +244,35 @@ def time_to_train(scenario: Scenario, strategy: str, *, redundancy: int = 1,
             raise ValueError(f"checkpoint_interval_s must be > 0, got {checkpoint_interval_s!r}")
     wall, up, n_int, lost = _wall(model, work, tau, c_block, extra, restart)
     if not math.isfinite(wall):
-        return Estimate(math.inf, 0.0, 0.0, model.rate_overhead, math.inf, math.inf, model.mean_gap, tau)
+        return Estimate(
+            math.inf, 0.0, 0.0, model.rate_overhead, math.inf, math.inf, model.mean_gap, tau
+        )
     return Estimate(
-            time_to_train_s=wall,
-            availability=up / wall,
-            effective_ratio=scenario.work_hours * 3600.0 / wall,
-            overhead_mean=model.at(up)[1] / up,
-            interruptions=n_int,
-            lost_work_s=lost,
-            mean_time_to_interruption_s=model.mean_gap,
-            checkpoint_interval_s=tau,
+        time_to_train_s=wall,
+        availability=up / wall,
+        effective_ratio=scenario.work_hours * 3600.0 / wall,
+        overhead_mean=model.at(up)[1] / up,
+        interruptions=n_int,
+        lost_work_s=lost,
+        mean_time_to_interruption_s=model.mean_gap,
+        checkpoint_interval_s=tau,
     )
 
 
-def _best_interval(model: renewal.AgeModel, work: float, c_block: float, extra: float,
-                                      restart: float) -> float:
+def _best_interval(
+    model: renewal.AgeModel, work: float, c_block: float, extra: float, restart: float
+) -> float:
     """Interval minimising the wall time: bounded search around the Poisson optimum."""
     if c_block == 0.0:
         return 1e-3 * model.mean_gap  # free saves: checkpoint (almost) continuously
     guess = checkpointing.exact_optimum(c_block, model.mean_gap)
     cost = lambda log_tau: _wall(model, work, math.exp(log_tau), c_block, extra, restart)[0]
-    res = optimize.minimize_scalar(cost, bounds=(math.log(guess) - 3.0, math.log(guess) + 3.0),
-                                                                  method="bounded", options={"xatol": 1e-3})
+    res = optimize.minimize_scalar(
+        cost,
+        bounds=(math.log(guess) - 3.0, math.log(guess) + 3.0),
+        method="bounded",
+        options={"xatol": 1e-3},
+    )
     best = math.exp(res.x) if cost(res.x) <= cost(math.log(guess)) else guess
     return float(best)
 
@@ -257,8 +291,15 @@ def _candidates(scenario: Scenario, strategy: str, policy: str, redundancies, mi
             yield r, int(m)
 
 
-def optimise(scenario: Scenario, strategy: str, *, policy: str = "adaptive",
-                          redundancies=DEFAULT_REDUNDANCIES, microbatches=DEFAULT_MICROBATCHES, progress=None) -> Plan:
+def optimise(
+    scenario: Scenario,
+    strategy: str,
+    *,
+    policy: str = "adaptive",
+    redundancies=DEFAULT_REDUNDANCIES,
+    microbatches=DEFAULT_MICROBATCHES,
+    progress=None,
+) -> Plan:
     """Minimise expected time-to-train over redundancy, checkpoint interval and m.
 
     The interval is optimal in closed form for each (r, m); r and m are searched
@@ -285,14 +326,29 @@ def optimise(scenario: Scenario, strategy: str, *, policy: str = "adaptive",
         if progress is not None:
             progress()
         if best is None or est.time_to_train_s < best.estimate.time_to_train_s:
-            pol = policy if strategy == "spare" else ("dp" if strategy == "checkpoint_restart" else "replication")
+            pol = (
+                policy
+                if strategy == "spare"
+                else ("dp" if strategy == "checkpoint_restart" else "replication")
+            )
             best = Plan(strategy, pol, r, est.checkpoint_interval_s, m, est)
     if best is None:
-        raise ValueError(f"no feasible redundancy for {strategy} among {list(redundancies)} at G={scenario.groups}")
+        raise ValueError(
+            f"no feasible redundancy for {strategy} among {list(redundancies)} "
+            f"at G={scenario.groups}"
+        )
     return best
 
 
-def candidate_count(scenario: Scenario, strategy: str, *, policy: str = "adaptive",
-                                        redundancies=DEFAULT_REDUNDANCIES, microbatches=DEFAULT_MICROBATCHES) -> int:
+def candidate_count(
+    scenario: Scenario,
+    strategy: str,
+    *,
+    policy: str = "adaptive",
+    redundancies=DEFAULT_REDUNDANCIES,
+    microbatches=DEFAULT_MICROBATCHES,
+) -> int:
     """Number of (r, m) evaluations `optimise` will make (for progress bars)."""
-    return sum(1 for _ in _candidates(scenario, strategy, policy, tuple(redundancies), tuple(microbatches)))
+    return sum(
+        1 for _ in _candidates(scenario, strategy, policy, tuple(redundancies), tuple(microbatches))
+    )

@@ -64,20 +64,24 @@ class AgeModel:
         """(progress, overhead integral, interruptions) at `uptime`, extrapolated linearly."""
         end = self.t[-1]
         if uptime <= end:
-            return (float(np.interp(uptime, self.t, self.progress)),
-                            float(np.interp(uptime, self.t, self.overhead)),
-                            float(np.interp(uptime, self.t, self.interruptions)))
+            return (
+                float(np.interp(uptime, self.t, self.progress)),
+                float(np.interp(uptime, self.t, self.overhead)),
+                float(np.interp(uptime, self.t, self.interruptions)),
+            )
         extra = uptime - end
-        return (float(self.progress[-1] + extra * self.rate_progress),
-                        float(self.overhead[-1] + extra * self.rate_overhead),
-                        float(self.interruptions[-1] + extra / self.mean_gap))
+        return (
+            float(self.progress[-1] + extra * self.rate_progress),
+            float(self.overhead[-1] + extra * self.rate_overhead),
+            float(self.interruptions[-1] + extra / self.mean_gap),
+        )
 
 
 def _cdf(law: str, mean: float, shape: float, a: np.ndarray) -> np.ndarray:
     if law == "exponential":
         return -np.expm1(-a / mean)
     scale = mean / math.gamma(1.0 + 1.0 / shape)
-    return -np.expm1(-(a / scale) ** shape)
+    return -np.expm1(-((a / scale) ** shape))
 
 
 def _inverse_cdf(law: str, mean: float, shape: float, u: float) -> float:
@@ -88,8 +92,16 @@ def _inverse_cdf(law: str, mean: float, shape: float, u: float) -> float:
 
 
 @functools.lru_cache(maxsize=8)
-def _band(kind: str, groups: int, redundancy: int, group_mtbf_s: float, law: str, shape: float,
-                    extra_rate: float, n_ages: int) -> tuple[np.ndarray, list[tuple[slice, np.ndarray, np.ndarray]]]:
+def _band(
+    kind: str,
+    groups: int,
+    redundancy: int,
+    group_mtbf_s: float,
+    law: str,
+    shape: float,
+    extra_rate: float,
+    n_ages: int,
+) -> tuple[np.ndarray, list[tuple[slice, np.ndarray, np.ndarray]]]:
     """Ages, and per chunk of ages the weights Bin(k; G, F(a)) P(k) e^(-extra a) with their k.
 
     The ages stop where G F(a) passes the end of the survival curve (P < 1e-30 beyond).
@@ -97,7 +109,9 @@ def _band(kind: str, groups: int, redundancy: int, group_mtbf_s: float, law: str
     surv = np.exp(endurance.log_survival_curve(kind, groups, redundancy))
     n_k = surv.size
     idx = np.arange(n_k)
-    log_choose = special.gammaln(groups + 1) - special.gammaln(idx + 1) - special.gammaln(groups - idx + 1)
+    log_choose = (
+        special.gammaln(groups + 1) - special.gammaln(idx + 1) - special.gammaln(groups - idx + 1)
+    )
     a_end = _inverse_cdf(law, group_mtbf_s, shape, (n_k + 6.0 * math.sqrt(n_k) + 6.0) / groups)
     if extra_rate > 0:  # whole-domain failures end epochs sooner: resolve their e^(-nu a) decay
         a_end = min(a_end, 40.0 / extra_rate)
@@ -115,7 +129,10 @@ def _band(kind: str, groups: int, redundancy: int, group_mtbf_s: float, law: str
         kk = np.where(inside, k, 0)
         qq = np.clip(qc, 1e-300, 1.0 - 1e-16)[:, None]
         log_pmf = log_choose[kk] + kk * np.log(qq) + (groups - kk) * np.log1p(-qq)
-        w = np.where(inside, np.exp(log_pmf) * surv[kk], 0.0) * np.exp(-extra_rate * ages[sl])[:, None]
+        w = (
+            np.where(inside, np.exp(log_pmf) * surv[kk], 0.0)
+            * np.exp(-extra_rate * ages[sl])[:, None]
+        )
         zero = qc == 0.0
         w[zero] = 0.0
         w[zero, 0] = surv[0]
@@ -126,7 +143,11 @@ def _band(kind: str, groups: int, redundancy: int, group_mtbf_s: float, law: str
 def _fit(values: np.ndarray, size: int) -> np.ndarray:
     """Truncate or pad (with the last value) to `size`."""
     values = values[:size]
-    return np.concatenate([values, np.full(size - values.size, values[-1])]) if values.size < size else values
+    return (
+        np.concatenate([values, np.full(size - values.size, values[-1])])
+        if values.size < size
+        else values
+    )
 
 
 def _renewal(psi_cum: np.ndarray, d_f: np.ndarray) -> np.ndarray:
@@ -144,10 +165,20 @@ def _renewal(psi_cum: np.ndarray, d_f: np.ndarray) -> np.ndarray:
     return m
 
 
-def age_model(kind: str, groups: int, redundancy: int, group_mtbf_s: float, overhead: np.ndarray, *,
-                            horizon_s: float, law: str = "exponential", weibull_shape: float = 1.0,
-                            extra_rate: float = 0.0, points: int = 400,
-                            inverse: np.ndarray | None = None) -> AgeModel:
+def age_model(
+    kind: str,
+    groups: int,
+    redundancy: int,
+    group_mtbf_s: float,
+    overhead: np.ndarray,
+    *,
+    horizon_s: float,
+    law: str = "exponential",
+    weibull_shape: float = 1.0,
+    extra_rate: float = 0.0,
+    points: int = 400,
+    inverse: np.ndarray | None = None,
+) -> AgeModel:
     """Build the `AgeModel` for one strategy.
 
     Args:
@@ -171,8 +202,16 @@ def age_model(kind: str, groups: int, redundancy: int, group_mtbf_s: float, over
         gap = 1.0 / (groups / group_mtbf_s + extra_rate)
         t = np.array([0.0, 1.0])
         return AgeModel(t, t * inv[0], t * o[0], t / gap, gap, inv[0], o[0], inv[0])
-    ages, chunks = _band(kind, groups, redundancy, float(group_mtbf_s), law, float(weibull_shape),
-                                          float(extra_rate), 2 * points + 1)
+    ages, chunks = _band(
+        kind,
+        groups,
+        redundancy,
+        float(group_mtbf_s),
+        law,
+        float(weibull_shape),
+        float(extra_rate),
+        2 * points + 1,
+    )
     s_x, psi_r, psi_o = (np.zeros(ages.size) for _ in range(3))
     for sl, kk, w in chunks:
         s_x[sl] = w.sum(axis=1)

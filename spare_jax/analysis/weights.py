@@ -33,9 +33,16 @@ def _weibull_scale(mean: float, shape: float) -> float:
     return mean / math.gamma(1.0 + 1.0 / shape)
 
 
-def time_in_state(strategy: str, groups: int, redundancy: int, group_mtbf_s: float, *,
-                                    law: str = "exponential", weibull_shape: float = 1.0,
-                                    mttr_s: float | None = None) -> np.ndarray:
+def time_in_state(
+    strategy: str,
+    groups: int,
+    redundancy: int,
+    group_mtbf_s: float,
+    *,
+    law: str = "exponential",
+    weibull_shape: float = 1.0,
+    mttr_s: float | None = None,
+) -> np.ndarray:
     """Expected seconds spent with k = 0, 1, ... dead groups before the interruption.
 
     Args:
@@ -88,8 +95,13 @@ def _weibull(surv: np.ndarray, groups: int, scale: float, shape: float) -> np.nd
     u = np.clip(u, 1e-300, 1.0 - 1e-15)
     y = -np.log1p(-u)
     dtdu = scale / shape * y ** (1.0 / shape - 1.0) / (1.0 - u)
-    logpmf = (special.gammaln(groups + 1) - special.gammaln(k + 1) - special.gammaln(groups - k + 1))[:, None] \
-        + k[:, None] * np.log(u) + (groups - k)[:, None] * np.log1p(-u)
+    logpmf = (
+        (special.gammaln(groups + 1) - special.gammaln(k + 1) - special.gammaln(groups - k + 1))[
+            :, None
+        ]
+        + k[:, None] * np.log(u)
+        + (groups - k)[:, None] * np.log1p(-u)
+    )
     out = np.sum(np.exp(logpmf) * dtdu * jac * w[None, :], axis=1)
     # k = 0 has an integrable singularity at u = 0 when shape < 1: integrate exactly,
     # int_0^inf (1 - F(t))^G dt = scale * Gamma(1 + 1/shape) / G^(1/shape).
