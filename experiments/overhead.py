@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from spare_jax import cli, placement, reorder  # noqa: E402
+from spare_jax import cli, reorder, strategies  # noqa: E402
 from spare_jax.incremental import LoadTracker  # noqa: E402
 
 _GROUPS = flags.DEFINE_integer("groups", 10_000, "Number of groups G.", lower_bound=2)
@@ -68,7 +68,7 @@ def run(
     traces: dict[tuple[int, str, int], list[np.ndarray]] = {}
     bar = tqdm(total=len(redundancies) * trials, desc="overhead sweep", unit="trial")
     for r in redundancies:
-        stack = placement.make(kind, groups, r)
+        stack = strategies.placement("spare", groups, r, layout=kind)
         rep_groups = groups - groups % r
         for _ in range(trials):
             order = rng.permutation(groups)

@@ -26,6 +26,8 @@ import numbers
 
 import numpy as np
 
+from spare_jax import checks
+
 __all__ = [
     "Placement",
     "cyclic",
@@ -34,7 +36,6 @@ __all__ = [
     "replication",
     "data_parallel",
     "from_stacks",
-    "make",
 ]
 
 
@@ -106,17 +107,9 @@ def _check_index(name: str, value: int, bound: int) -> None:
         raise IndexError(f"{name} must be an integer in [0, {bound}), got {value!r}")
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
-
-
 def _check_sizes(groups: object, redundancy: object) -> tuple[int, int]:
-    g = _check_int("groups", groups, 1)
-    r = _check_int("redundancy", redundancy, 1)
+    g = checks.integer("groups", groups, low=1)
+    r = checks.integer("redundancy", redundancy, low=1)
     if r > g:
         raise ValueError(
             f"redundancy r={r} must not exceed groups G={g} (a shard needs r distinct holders)"
@@ -170,7 +163,7 @@ def cyclic(groups: int, redundancy: int, ring_size: int | None = None) -> Placem
             In the mesh, a ring is the redundancy axis at one data coordinate.
     """
     g, r = _check_sizes(groups, redundancy)
-    n = g if ring_size is None else _check_int("ring_size", ring_size, 1)
+    n = g if ring_size is None else checks.integer("ring_size", ring_size, low=1)
     if g % n:
         raise ValueError(f"ring_size={n} must divide groups G={g}")
     if r > n:
@@ -194,7 +187,7 @@ def strided(groups: int, redundancy: int, stride: int | None = None) -> Placemen
     which keeps a single ring.
     """
     g, r = _check_sizes(groups, redundancy)
-    s = _default_stride(g, r) if stride is None else _check_int("stride", stride, 1)
+    s = _default_stride(g, r) if stride is None else checks.integer("stride", stride, low=1)
     d = math.gcd(s, g)
     if g // d < r:
         raise ValueError(
@@ -285,21 +278,4 @@ def from_stacks(stacks: np.ndarray, redundancy: int | None = None) -> Placement:
     holders, positions = _invert(st.astype(np.int64), g, r)
     return Placement(
         "custom", g, r, _readonly(st.astype(np.int64)), _readonly(holders), _readonly(positions)
-    )
-
-
-def make(kind: str, groups: int, redundancy: int, **kwargs: object) -> Placement:
-    """Placement by name: cyclic, strided, replication, data_parallel (r must be 1)."""
-    if kind == "cyclic":
-        return cyclic(groups, redundancy, **kwargs)
-    if kind == "strided":
-        return strided(groups, redundancy, **kwargs)
-    if kind == "replication":
-        return replication(groups, redundancy)
-    if kind in ("data_parallel", "dp"):
-        if redundancy != 1:
-            raise ValueError(f"data_parallel has redundancy 1, got {redundancy}")
-        return data_parallel(groups)
-    raise ValueError(
-        f"unknown placement {kind!r}; expected cyclic, strided, replication or data_parallel"
     )

@@ -5,6 +5,7 @@ import pytest
 
 from spare_jax import data as data_lib
 from spare_jax import placement as placement_lib
+from spare_jax import strategies
 
 
 def test_markov_source_is_deterministic_and_learnable():
@@ -24,7 +25,7 @@ def test_markov_source_is_deterministic_and_learnable():
     "kind,r", [("cyclic", 2), ("cyclic", 3), ("replication", 2), ("data_parallel", 1)]
 )
 def test_stacks_cover_the_same_global_batch(kind, r):
-    p = placement_lib.make(kind, 6, r)
+    p = strategies.placement(kind, 6, r)
     m = 2
     source = data_lib.MarkovSource(16, 4, 2, seed=0)
     ids = data_lib.unit_ids(p, m)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spare_jax import placement
+from spare_jax import placement, strategies
 
 
 @given(st.integers(1, 60), st.data())
@@ -96,7 +96,9 @@ def test_from_stacks_roundtrip():
         (lambda: placement.cyclic(10, 2, ring_size=3), "ring_size"),
         (lambda: placement.domain_aware([0, 0, 1], 2), "floor"),
         (lambda: placement.from_stacks([[0, 0], [1, 1]]), "same shard"),
-        (lambda: placement.make("ring", 4, 2), "unknown placement"),
+        (lambda: strategies.placement("ring", 4, 2), "strategy must be one of"),
+        (lambda: strategies.placement("dp", 4, 2), "redundancy 1"),
+        (lambda: strategies.placement("spare", 4, 2, layout="zigzag"), "layout must be one of"),
     ],
 )
 def test_bad_input_raises_value_error(call, match):
