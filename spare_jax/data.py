@@ -1,22 +1,16 @@
-"""Token sources and the stacked per-group input of one training step.
+"""Token sources and the global batch of one training step.
 
 Owns: the deterministic token sources (`MarkovSource`, a synthetic learnable
-stream, and `TokenFileSource`, uint16 ``.bin`` files read through ``np.memmap``)
-and `stack_inputs`, which lays out every group's stack for a step.
+stream, and `TokenFileSource`, uint16 ``.bin`` files read through ``np.memmap``),
+`global_batch`, and `stack_bytes`, the memory cost of stacking.
 
 **Units.** Each step's global batch is ``G * m`` *units*: micro-batches of the
 failure-free per-group size (``batch`` sequences of ``seq_len + 1`` tokens). Unit
 ``u`` of step ``t`` is a pure function of ``(seed, t, u)``, so any group that
-computes it sees identical data. A placement's shard ``s`` with ``units * m``
-micro-batches (units = ``placement.shard_units``: 1 for stacking, r for
-replication) covers units ``s * units * m + j``. Stacking, replication and plain
-data parallelism therefore train on the *same* global batch every step, which
-makes their losses directly comparable.
-
-**Stacks.** A group's local input is its stack: ``depth`` shards of
-``units * m`` micro-batches, flattened to one local index
-``position * units * m + j``; that is ``r * m`` micro-batches for stacking and
-replication alike (``m`` for plain data parallelism).
+computes it sees identical data, and a step re-executed after a rollback or a
+restart sees the same data. Stacking, replication and plain data parallelism
+train on the *same* global batch every step (which groups hold which units is
+`spare_jax.slots`'s business), so their losses are directly comparable.
 """
 
 from __future__ import annotations
@@ -29,14 +23,7 @@ import numpy as np
 
 from spare_jax.placement import Placement
 
-__all__ = [
-    "MarkovSource",
-    "TokenFileSource",
-    "TokenSource",
-    "stack_bytes",
-    "stack_inputs",
-    "unit_ids",
-]
+__all__ = ["MarkovSource", "TokenFileSource", "TokenSource", "global_batch", "stack_bytes"]
 
 
 class TokenSource(Protocol):
@@ -132,27 +119,14 @@ class TokenFileSource:
         return out
 
 
-def unit_ids(placement: Placement, microbatches: int) -> np.ndarray:
-    """Global unit id of every local micro-batch of every group: int[G, depth * units * m]."""
-    per_shard = placement.shard_units * microbatches
-    j = np.arange(per_shard)
-    return (placement.stacks[:, :, None] * per_shard + j[None, None, :]).reshape(
-        placement.groups, -1
-    )
+def global_batch(source: TokenSource, units: int, step: int) -> np.ndarray:
+    """The failure-free global batch of ``step``: int32[units * batch, seq_len + 1].
 
-
-def stack_inputs(
-    source: TokenSource, placement: Placement, microbatches: int, step: int
-) -> np.ndarray:
-    """Every group's stack for ``step``: int32[G, depth * units * m, batch, seq_len + 1].
-
-    Each of the ``G * m`` distinct units is generated once and copied into the
-    stacks of its r holders.
+    Unit ``u`` is rows ``[u * batch, (u + 1) * batch)``, the layout
+    `spare_jax.make_train_step` expects (unit ``g * m + j`` is group ``g``'s
+    micro-batch ``j``).
     """
-    ids = unit_ids(placement, microbatches)
-    unique, inverse = np.unique(ids, return_inverse=True)
-    units = np.stack([source.unit(step, int(u)) for u in unique])
-    return units[inverse.reshape(ids.shape)]
+    return np.concatenate([source.unit(step, u) for u in range(units)])
 
 
 def stack_bytes(

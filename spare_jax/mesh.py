@@ -10,7 +10,7 @@ This module owns three things and nothing else:
    exactly the row-major order in which ``PartitionSpec(("data", "redundancy"))``
    splits a leading axis of length ``G``, so an array ``[G, ...]`` with that spec
    puts row ``g`` on group ``g``, and no index shuffling is needed anywhere.
-3. The placement on the mesh (`placement_for`). For SPARe the redundancy axis is
+3. The SPARe ring on the mesh (`ring_size`). The redundancy axis is
    the ring: at each data coordinate, the ``R`` groups along ``redundancy`` form one
    cyclic-stacking ring, so group ``(d, k)`` stacks the shards of ``(d, k)``,
    ``(d, k+1)``, ..., ``(d, k+r-1)`` (mod ``R``). Laid across racks, a whole-rack
@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from spare_jax import placement as placement_lib
 
 __all__ = [
     "AXES",
@@ -46,7 +45,7 @@ __all__ = [
     "logical_spec",
     "make_mesh",
     "num_groups",
-    "placement_for",
+    "ring_size",
     "replicated",
 ]
 
@@ -126,25 +125,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def placement_for(strategy: str, mesh: Mesh, redundancy: int) -> placement_lib.Placement:
-    """The placement of a strategy on this mesh (see the module docstring).
+def ring_size(mesh: Mesh, redundancy: int) -> int | None:
+    """Groups per SPARe ring on this mesh: the redundancy axis, or None for one ring of all.
 
-    Args:
-        strategy: ``"spare"`` (cyclic stacking), ``"replication"`` or ``"dp"``.
-        mesh: the mesh; ``G = data * redundancy`` groups.
-        redundancy: r (ignored for ``"dp"``, which is r = 1).
-
-    Returns:
-        The placement over the mesh's groups.
+    A ring along the redundancy axis needs at least ``r`` members to give a
+    shard ``r`` distinct holders; when it has fewer, the whole machine is one
+    ring in group-id order (with ``data = 1`` the two coincide).
     """
-    groups = num_groups(mesh)
     ring = int(mesh.shape["redundancy"])
-    if strategy == "spare":
-        return placement_lib.cyclic(
-            groups, redundancy, ring_size=ring if ring >= redundancy else None
-        )
-    if strategy == "replication":
-        return placement_lib.replication(groups, redundancy)
-    if strategy == "dp":
-        return placement_lib.data_parallel(groups)
-    raise ValueError(f"unknown strategy {strategy!r}; expected spare, replication or dp")
+    return ring if ring >= redundancy else None

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spare_jax import mesh as mesh_lib
+
 __all__ = [
     "ModelConfig",
     "TransformerLM",
@@ -26,6 +28,7 @@ __all__ = [
     "loss_fn",
     "next_token_loss",
     "param_logical_axes",
+    "param_specs",
 ]
 
 Params = dict
@@ -212,6 +215,12 @@ def param_logical_axes(params: Params) -> Params:
         raise KeyError(f"no logical-axis rule for parameter {name}")
 
     return jax.tree.map_with_path(axes_of, params)
+
+
+def param_specs(params: Params) -> Params:
+    """The mesh ``PartitionSpec`` of every parameter (its logical axes through `mesh.RULES`)."""
+    is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+    return jax.tree.map(mesh_lib.logical_spec, param_logical_axes(params), is_leaf=is_axes)
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -33,6 +33,7 @@ import numpy as np
 import scipy.sparse
 import scipy.sparse.csgraph
 
+from spare_jax import checks, strategies
 from spare_jax.placement import Placement
 
 __all__ = [
@@ -45,7 +46,7 @@ __all__ = [
     "uncovered",
 ]
 
-POLICIES = ("adaptive", "fixed")
+POLICIES = strategies.EXACT_POLICIES
 
 
 class Interruption(Exception):
@@ -95,46 +96,33 @@ class Assignment:
         """Computation overhead: max load over the failure-free load m."""
         return self.max_load / self.microbatches
 
-    def padded(self, slots: int) -> tuple[np.ndarray, np.ndarray]:
-        """`work` and `counted` padded with empty slots to a compiled slot bound."""
-        if slots < self.max_load:
-            raise ValueError(f"slots={slots} is below max_load={self.max_load}")
-        pad = slots - self.max_load
-        work = np.pad(self.work, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
-        return work, np.pad(self.counted, ((0, 0), (0, pad)))
-
 
 def alive_mask(groups: int, dead: Iterable[int] = ()) -> np.ndarray:
-    """Bool [groups] mask with `dead` group ids set False."""
+    """Bool [groups] mask with `dead` group ids set False.
+
+    Raises:
+        ValueError: `groups` is not a positive integer, or a dead id is not an
+            integer in [0, groups).
+    """
+    groups = checks.integer("groups", groups, low=1)
+    ids = list(dead)
+    for g in ids:
+        checks.integer("dead group id", g, low=0, high=groups - 1)
     mask = np.ones(groups, dtype=bool)
-    dead_ids = np.fromiter(dead, dtype=np.int64)
-    if dead_ids.size and (dead_ids.min() < 0 or dead_ids.max() >= groups):
-        raise ValueError(f"dead group ids must lie in [0, {groups}), got {dead_ids.tolist()}")
-    mask[dead_ids] = False
+    mask[np.asarray(ids, dtype=np.int64)] = False
     return mask
 
 
 def _check(placement: Placement, alive: np.ndarray, microbatches: int, policy: str) -> np.ndarray:
-    alive = np.asarray(alive)
-    if alive.shape != (placement.groups,) or alive.dtype != bool:
-        raise ValueError(
-            f"alive must be a bool array of shape ({placement.groups},), "
-            f"got {alive.dtype} {alive.shape}"
-        )
-    if (
-        isinstance(microbatches, bool)
-        or not isinstance(microbatches, (int, np.integer))
-        or microbatches < 1
-    ):
-        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    alive = checks.bool_mask("alive", alive, placement.groups)
+    checks.integer("microbatches", microbatches, low=1)
+    strategies.check_policy(policy, exact=True)
     return alive
 
 
 def uncovered(placement: Placement, alive: np.ndarray) -> np.ndarray:
     """Shard ids with no live holder (empty when the step can run)."""
-    alive = np.asarray(alive, dtype=bool)
+    alive = checks.bool_mask("alive", alive, placement.groups)
     return np.flatnonzero(~alive[placement.holders_table].any(axis=1))
 
 

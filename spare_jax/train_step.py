@@ -1,41 +1,35 @@
-"""The failure-masked train step: exact gradient synchronisation over live groups.
+"""The failure-masked train step for any JAX model, and its public entry point.
 
-Owns: the train state, the optimizer, the *slot plan* (an assignment from
-`spare_jax.reorder` turned into padded runtime arrays), the pure `train_step`, and
-`TrainStep`, the one builder that adds shardings, donation and the compiled
-slot bound.
+Owns the train state, the pure `train_step`, and `SpareStep` (built by
+`make_train_step`): the one wrapper that adds shardings, donation, the
+compiled slot bound and the one cache of slot tables.
+
+**Inputs.** A user passes the failure-free global batch (a pytree whose leaves
+have ``G * m * b`` rows; micro-batch ``(g, j)`` is rows ``[(g*m + j) b, (g*m +
+j + 1) b)``) and a live mask. `SpareStep` lays the batch out as stacks (each
+group gets its ``r`` shards, `spare_jax.slots.unit_ids`), and turns the live
+mask into a `Slots` table (`slots.for_live_set`, cached per live set). The
+batch never changes with the live set; who computes what does.
 
 **The step.** Inside a ``jax.shard_map`` that is manual over the group axes
-``("data", "redundancy")`` and automatic over ``"model"`` (so XLA partitions each
-group's computation over its model devices from the parameters' shardings),
-every group walks the plan's work slots. Slot ``l`` of group ``g`` names a local
-micro-batch of ``g``'s stack (``index[g, l]``, or -1 for an empty slot) and a
-weight (1 when it counts, 0 for empty slots and replication's redundant
-copies). The loop runs ``n_slots`` = the plan's maximum load iterations on every
-group (a runtime scalar, so step time follows the load without recompiling);
-SPMD control flow must not diverge between devices (a per-device ``lax.cond``
-deadlocks XLA's CPU collectives), so a group with fewer slots computes its
-empty ones with weight 0, which is what it would spend waiting for the slowest
-group anyway. The group accumulates ``weight * grad``, its
-sum is multiplied by its live mask (a dead group contributes exactly zero), and
-one ``psum`` over ``("data", "redundancy")`` adds the groups. The sum is divided
-by ``denom = G * m`` (failure-free micro-batch count, never the live count) and
-AdamW is applied outside the shard_map, replicated over the groups and sharded
-over ``model`` like the parameters.
+``("data", "redundancy")`` and automatic over ``"model"`` (XLA partitions each
+group's computation from the parameters' shardings), every group walks
+``n_slots`` slots. Slot ``l`` of group ``g`` computes the gradient of local
+micro-batch ``index[g, l]`` and adds ``weight[g, l]`` times it. The loop runs the
+same count on every group: a per-device ``lax.cond`` that skips empty slots
+deadlocks XLA's CPU collectives, and a less loaded group would wait for the
+busiest anyway. Each group's sum is multiplied by its live mask, one ``psum``
+over the groups adds them, the sum is divided by ``denom = G * m`` (never the
+live count) and the optimizer is applied, replicated over the groups.
 
-**Runtime assignment.** ``index``, ``weight``, ``alive``, ``denom`` and ``n_slots``
-are device arrays, not static arguments. Plans are padded to the compiled slot
-bound, so a new live set only recompiles when its maximum load exceeds the
-bound (which then grows to that load). The trainer's default bound is the stack
-size ``r * m``, which no assignment can exceed.
-
-**Baselines.** Replication and plain data parallelism are placements on this
-same step. `drop_and_renormalise_plan` is the *inexact* elastic baseline: dead
-groups' data is dropped and the rest averaged (``denom`` = live micro-batches).
+The table is runtime data: a new live set is new arrays, not a new program,
+until a table needs more slots than were compiled (the default bound, the
+stack size ``r * m``, no exact assignment exceeds).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -46,339 +40,431 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import optax.tree_utils as otu
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spare_jax import checks, slots, strategies
 from spare_jax import mesh as mesh_lib
-from spare_jax import model as model_lib
 from spare_jax.placement import Placement
-from spare_jax.reorder import Assignment
 
-__all__ = [
-    "SlotPlan",
-    "TrainState",
-    "TrainStep",
-    "drop_and_renormalise_plan",
-    "init_state",
-    "make_optimizer",
-    "plan_from_assignment",
-    "train_step",
-]
+__all__ = ["LossFn", "SpareStep", "TrainState", "make_train_step", "train_step"]
+
+LossFn = Callable[[Any, Any], jax.Array]
+_CACHE_SIZE = 64
 
 
 @flax.struct.dataclass
 class TrainState:
-    """Parameters and optimizer state (replicated over groups, sharded over model)."""
+    """Step count, parameters and optimizer state (replicated over groups)."""
 
     step: jax.Array
-    params: model_lib.Params
+    params: Any
     opt_state: optax.OptState
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotPlan:
-    """One step's work as runtime arrays (host numpy).
-
-    Attributes:
-        index: int32[G, L] local micro-batch index into the group's stack, -1 empty.
-        weight: float32[G, L] 1.0 when the slot's gradient counts, else 0.0.
-        alive: float32[G] live mask.
-        denom: the divisor of the gradient sum (``G * m`` for exact plans).
-        max_load: slots actually used by the busiest group.
-        exact: False only for the drop-and-renormalise baseline.
-    """
-
-    index: np.ndarray
-    weight: np.ndarray
-    alive: np.ndarray
-    denom: float
-    max_load: int
-    exact: bool = True
-
-    @property
-    def slots(self) -> int:
-        return int(self.index.shape[1])
-
-    def padded(self, bound: int) -> SlotPlan:
-        """The same plan with empty slots appended up to ``bound``."""
-        extra = bound - self.slots
-        if extra < 0:
-            raise ValueError(f"plan uses {self.slots} slots, more than the bound {bound}")
-        index = np.pad(self.index, ((0, 0), (0, extra)), constant_values=-1)
-        weight = np.pad(self.weight, ((0, 0), (0, extra)))
-        return dataclasses.replace(self, index=index, weight=weight)
-
-
-def plan_from_assignment(assignment: Assignment) -> SlotPlan:
-    """Turn a reorder assignment into slot arrays (local index = position * units*m + mb)."""
-    p: Placement = assignment.placement
-    m = assignment.microbatches
-    work = np.asarray(assignment.work)
-    position, micro = work[..., 0], work[..., 1]
-    index = np.where(position >= 0, position * p.shard_units * m + micro, -1).astype(np.int32)
-    counted = np.asarray(assignment.counted, bool)
-    if np.any(counted & (index < 0)):
-        raise ValueError("assignment counts an empty slot")
-    alive = np.asarray(assignment.alive, bool)
-    if np.any(index[~alive] >= 0):
-        raise ValueError("assignment gives work to a dead group")
-    total = p.shards * p.shard_units * m
-    if int(counted.sum()) != total:
-        raise ValueError(f"assignment counts {int(counted.sum())} micro-batches, expected {total}")
-    return SlotPlan(
-        index=index,
-        weight=counted.astype(np.float32),
-        alive=alive.astype(np.float32),
-        denom=float(total),
-        max_load=int(assignment.max_load),
-    )
-
-
-def drop_and_renormalise_plan(
-    placement: Placement, alive: np.ndarray, microbatches: int
-) -> SlotPlan:
-    """INEXACT baseline (what elastic systems do): drop dead groups, average the rest.
-
-    Every live group does its failure-free work (its stack position 0, counted
-    once per shard by its first holder); the dead groups' work is simply lost and
-    the sum is divided by the number of micro-batches that were computed.
-    """
-    alive = np.asarray(alive, bool)
-    m, units = microbatches, placement.shard_units
-    per_group = units * m
-    index = np.tile(np.arange(per_group, dtype=np.int32), (placement.groups, 1))
-    first_holder = np.zeros(placement.groups, bool)
-    first_holder[placement.holders_table[:, 0]] = True
-    weight = np.where(first_holder[:, None], 1.0, 0.0) * np.ones_like(index, np.float32)
-    index[~alive] = -1
-    weight[~alive] = 0.0
-    computed = float(weight.sum())
-    if computed == 0:
-        raise ValueError("drop-and-renormalise has no live group left")
-    return SlotPlan(
-        index=index,
-        weight=weight.astype(np.float32),
-        alive=alive.astype(np.float32),
-        denom=computed,
-        max_load=per_group if alive.any() else 0,
-        exact=False,
-    )
-
-
-def make_optimizer(
-    learning_rate: float,
-    warmup_steps: int,
-    total_steps: int,
-    weight_decay: float = 0.01,
-    clip_norm: float = 0.0,
-) -> optax.GradientTransformation:
-    """AdamW with linear warm-up then cosine decay to 10% (optional global-norm clipping)."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=learning_rate,
-        warmup_steps=max(warmup_steps, 1),
-        decay_steps=max(total_steps, warmup_steps + 1),
-        end_value=0.1 * learning_rate,
-    )
-    adamw = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-8, weight_decay=weight_decay)
-    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm > 0 else adamw
-
-
-def state_shardings(
-    mesh: Mesh, params_shape: model_lib.Params, tx: optax.GradientTransformation
-) -> TrainState:
-    """Explicit NamedShardings of the whole train state."""
-    is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
-    axes = model_lib.param_logical_axes(params_shape)
-    param_sh = jax.tree.map(
-        lambda a: NamedSharding(mesh, mesh_lib.logical_spec(a)), axes, is_leaf=is_axes
-    )
-    opt_shape = jax.eval_shape(tx.init, params_shape)
-    rep = mesh_lib.replicated(mesh)
-    opt_sh = otu.tree_map_params(
-        tx, lambda _, sh: sh, opt_shape, param_sh, transform_non_params=lambda _: rep
-    )
-    return TrainState(step=rep, params=param_sh, opt_state=opt_sh)
-
-
-def init_state(
-    cfg: model_lib.ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int
-) -> tuple[nnx.GraphDef, TrainState, TrainState]:
-    """Build the model and optimizer state and place them in their shardings.
-
-    Returns:
-        ``(graphdef, state, shardings)``.
-    """
-    graphdef = nnx.split(
-        nnx.eval_shape(lambda: model_lib.TransformerLM(cfg, nnx.Rngs(params=seed)))
-    )[0]
-    params_shape = jax.eval_shape(lambda: model_lib.init_params(cfg, seed)[1])
-    shardings = state_shardings(mesh, params_shape, tx)
-    # Built eagerly (no XLA compilation of an init program) and then placed with
-    # one explicit transfer into the final shardings.
-    params = model_lib.init_params(cfg, seed)[1]
-    fresh = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-    state = jax.device_put(fresh, shardings)
-    return graphdef, state, shardings
-
-
 def _group_gradients(
-    graphdef: nnx.GraphDef,
-    params: model_lib.Params,
-    tokens: jax.Array,
-    index: jax.Array,
-    weight: jax.Array,
-    alive: jax.Array,
-    n_slots: jax.Array,
+    loss_fn: LossFn, params: Any, stacks: Any, table: slots.Slots
 ) -> tuple[Any, jax.Array]:
     """One group's weighted gradient and loss sums, psum'd over the live groups.
 
-    Runs inside shard_map: ``tokens`` [1, S, B, T+1], ``index``/``weight`` [1, L],
-    ``alive`` [1] are this group's rows; ``n_slots`` (replicated) is the plan's
-    maximum load, so every group runs the same number of iterations.
+    Runs inside shard_map: ``stacks`` leaves are ``[1, S, b, ...]`` (this group's
+    stack), ``table.index``/``weight`` are ``[1, L]``, ``table.alive`` is ``[1]``.
     """
-    grad_fn = jax.value_and_grad(lambda p, batch: model_lib.loss_fn(graphdef, p, batch))
-    # Differentiate with respect to a per-group ("varying") copy of the replicated
-    # parameters. Differentiating the replicated ("invariant") value itself would
-    # make JAX insert the psum of the transpose inside grad, summing every group's
-    # slot gradient before this group's weight is applied.
+    grad_fn = jax.value_and_grad(loss_fn)
+    # Differentiate a per-group ("varying") copy of the replicated parameters:
+    # differentiating the replicated value itself makes JAX put the transpose's
+    # psum inside grad, summing every group's slot gradient before its weight.
     params = jax.lax.pcast(params, mesh_lib.GROUP_AXES, to="varying")
-    stack = tokens[0]
-    zeros = (
-        jax.tree.map(jnp.zeros_like, params),
-        jax.lax.pcast(jnp.zeros((), jnp.float32), mesh_lib.GROUP_AXES, to="varying"),
-    )
+    local = jax.tree.map(lambda x: x[0], stacks)
+    zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), mesh_lib.GROUP_AXES, to="varying")
+    carry0 = (jax.tree.map(jnp.zeros_like, params), zero_loss)
 
-    def slot(l: jax.Array, carry: Any) -> Any:
-        i, w = index[0, l], weight[0, l]
-        w = jnp.where(i >= 0, w, 0.0)
-        loss, grads = grad_fn(
-            params, jax.lax.dynamic_index_in_dim(stack, jnp.maximum(i, 0), keepdims=False)
-        )
-        return jax.tree.map(lambda acc, g: acc + g * w, carry, (grads, loss))
+    def slot(k: jax.Array, carry: Any) -> Any:
+        i = table.index[0, k]
+        w = jnp.where(i >= 0, table.weight[0, k], 0.0)
+        pick = lambda x: jax.lax.dynamic_index_in_dim(x, jnp.maximum(i, 0), keepdims=False)
+        loss, grads = grad_fn(params, jax.tree.map(pick, local))
+        grad_acc, loss_acc = carry
+        grad_acc = jax.tree.map(lambda acc, g: acc + (g * w).astype(acc.dtype), grad_acc, grads)
+        return grad_acc, loss_acc + loss.astype(jnp.float32) * w
 
-    grads, loss = jax.lax.fori_loop(0, n_slots, slot, zeros)
-    live = alive[0]
-    masked = jax.tree.map(lambda g: g * live, (grads, loss))
+    grads, loss = jax.lax.fori_loop(0, table.n_slots, slot, carry0)
+    live = table.alive[0]
+    masked = jax.tree.map(lambda g: g * live.astype(g.dtype), (grads, loss))
     return jax.lax.psum(masked, mesh_lib.GROUP_AXES)
 
 
 def train_step(
     state: TrainState,
-    tokens: jax.Array,
-    index: jax.Array,
-    weight: jax.Array,
-    alive: jax.Array,
-    denom: jax.Array,
-    n_slots: jax.Array,
+    stacks: Any,
+    table: slots.Slots,
     *,
-    graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
     tx: optax.GradientTransformation,
     mesh: Mesh,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One exact, failure-masked optimizer step (pure; jit it with `TrainStep`).
+    """One exact, failure-masked optimizer step (pure; `SpareStep` jits it).
 
     Args:
         state: the train state.
-        tokens: int32[G, S, B, T+1] every group's stack, split over the groups.
-        index: int32[G, L] local micro-batch of each slot, -1 for empty.
-        weight: float32[G, L] 1 where the slot's gradient counts.
-        alive: float32[G] live mask.
-        denom: float32 scalar divisor (``G * m``).
-        n_slots: int32 scalar, slots to walk (the plan's maximum load, <= L).
-        graphdef: the model's graph definition.
+        stacks: pytree of ``[G, S, b, ...]`` arrays, every group's stack, split over groups.
+        table: the step's slot table (``[G, L]`` arrays split over groups, scalars replicated).
+        loss_fn: ``loss_fn(params, microbatch) -> scalar``, the mean loss of one micro-batch.
         tx: the optimizer.
         mesh: the mesh.
 
     Returns:
-        The new state and ``{"loss", "grad_norm"}`` (the loss is the mean over the
-        counted micro-batches, the failure-free global-batch loss).
+        The new state and ``{"loss", "grad_norm", "finite"}``; the loss is the
+        mean over the counted micro-batches: the failure-free global-batch
+        loss. When the loss or the gradient is not finite the state is
+        returned unchanged and ``finite`` is False.
     """
     group = PartitionSpec(mesh_lib.GROUP_AXES)
+    table_specs = slots.Slots(group, group, group, PartitionSpec(), PartitionSpec())
     synced = jax.shard_map(
-        lambda p, t, i, w, a, n: _group_gradients(graphdef, p, t, i, w, a, n),
+        lambda p, s, t: _group_gradients(loss_fn, p, s, t),
         mesh=mesh,
-        in_specs=(PartitionSpec(), group, group, group, group, PartitionSpec()),
+        in_specs=(PartitionSpec(), group, table_specs),
         out_specs=PartitionSpec(),
         axis_names=set(mesh_lib.GROUP_AXES),
     )
-    grad_sum, loss_sum = synced(state.params, tokens, index, weight, alive, n_slots)
-    grads = jax.tree.map(lambda g: g / denom, grad_sum)
+    grad_sum, loss_sum = synced(state.params, stacks, table)
+    grads = jax.tree.map(lambda g: g / table.denom.astype(g.dtype), grad_sum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads)}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    loss, grad_norm = loss_sum / table.denom, optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    # A non-finite step keeps the state it started from, so the last good state
+    # survives to be saved (the caller sees metrics["finite"] is False).
+    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+    return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 
-class TrainStep:
-    """`train_step` jitted with explicit shardings, donated state and a slot bound.
+def _put(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A fresh placed copy; host values go through a callback so each process sends its shards.
 
-    Attributes:
-        slot_bound: the number of slots the current executable walks.
-        compiles: how many times the step has been traced/compiled.
+    Device arrays are copied first: `device_put` reuses the source buffer for
+    one of the destination shards (even with ``may_alias=False``), and the
+    step donates its state, which would delete the caller's array.
+    """
+    if isinstance(value, jax.Array) and (
+        sharding.is_fully_addressable or not value.is_fully_addressable
+    ):
+        return jax.device_put(value.copy(), sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchLayout:
+    """What a batch looks like: its structure, leaf shapes after the unit axis, rows per unit."""
+
+    treedef: Any
+    rest: tuple[tuple[tuple[int, ...], Any], ...]
+    rows: int
+
+
+class SpareStep:
+    """SPARe's train step over one mesh: ``state, metrics = step(state, batch, alive)``.
+
+    Build it with `make_train_step`. Attributes:
+        placement: who holds which shard (over all ``groups`` original groups).
+        groups: G, the length of ``alive``.
+        microbatches: m, micro-batches per group per step.
+        policy: adaptive, fixed or drop.
+        mesh: the mesh the step runs on.
+        rows: the original group of each mesh group (all of them unless built
+            by `on_mesh` for a subset of survivors).
+        slot_bound: the slots the compiled step walks at most.
+        compiles: how many times the step has been traced (compiled).
+        donate: whether the step donates (reuses the memory of) its input state.
     """
 
     def __init__(
         self,
-        mesh: Mesh,
-        graphdef: nnx.GraphDef,
+        loss_fn: LossFn,
         tx: optax.GradientTransformation,
-        shardings: TrainState,
-        slot_bound: int,
+        mesh: Mesh,
+        placement: Placement,
+        *,
+        microbatches: int,
+        policy: str,
+        param_specs: Any = None,
+        slot_bound: int | None = None,
+        rows: np.ndarray | None = None,
+        donate: bool = True,
     ):
-        if slot_bound < 1:
-            raise ValueError(f"slot_bound must be >= 1, got {slot_bound}")
-        self.mesh, self.slot_bound, self.compiles = mesh, int(slot_bound), 0
+        self.loss_fn, self.tx, self.mesh, self.placement = loss_fn, tx, mesh, placement
+        self.donate = bool(donate)
+        self.microbatches = checks.integer("microbatches", microbatches, low=1)
+        self.policy = strategies.check_policy(policy)
+        self.param_specs = param_specs
+        self.groups = placement.groups
+        self.rows = np.arange(self.groups) if rows is None else np.asarray(rows, np.int64)
+        if self.rows.size != mesh_lib.num_groups(mesh):
+            raise ValueError(
+                f"the mesh has {mesh_lib.num_groups(mesh)} groups but rows names {self.rows.size}"
+            )
+        self.stack_size = slots.stack_size(placement, self.microbatches)
+        bound = self.stack_size if slot_bound is None else slot_bound
+        self.slot_bound = checks.integer("slot_bound", bound, low=1)
+        self.compiles = 0
+        self._unit_ids = slots.unit_ids(placement, self.microbatches)[self.rows]
+        self._tables: collections.OrderedDict[bytes, tuple[slots.Slots, int]] = (
+            collections.OrderedDict()
+        )
+        self._checked: set[Any] = set()
         self._group = mesh_lib.group_sharding(mesh)
         self._rep = mesh_lib.replicated(mesh)
-        self._device_plans: dict[tuple, tuple[jax.Array, ...]] = {}
+        self._jitted: dict[int, Callable[..., Any]] = {}
 
-        def counted_step(*args: Any) -> Any:
-            self.compiles += 1  # runs only while tracing, i.e. once per compilation
-            return train_step(*args, graphdef=graphdef, tx=tx, mesh=mesh)
+    # ------------------------------------------------------------------ state
 
-        self._jitted: Callable[..., Any] = jax.jit(
-            counted_step,
-            in_shardings=(
-                shardings,
-                self._group,
-                self._group,
-                self._group,
-                self._group,
-                self._rep,
-                self._rep,
-            ),
-            out_shardings=(shardings, self._rep),
-            donate_argnums=(0,),
+    def state_shardings(self, params: Any) -> TrainState:
+        """NamedShardings of the train state for parameters shaped like ``params``."""
+        specs = self.param_specs
+        if specs is None:
+            specs = jax.tree.map(lambda _: PartitionSpec(), params)
+        is_spec = lambda x: isinstance(x, PartitionSpec)
+        for spec in jax.tree.leaves(specs, is_leaf=is_spec):
+            named = {
+                a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))
+            }
+            if not is_spec(spec) or named - {"model"}:
+                raise ValueError(f"param_specs may shard over 'model' only, got {spec!r}")
+        param_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
+        if jax.tree.structure(param_sh) != jax.tree.structure(params):
+            raise ValueError("param_specs must have the structure of params")
+        opt_shape = jax.eval_shape(self.tx.init, params)
+        opt_sh = otu.tree_map_params(
+            self.tx, lambda _, sh: sh, opt_shape, param_sh, transform_non_params=lambda _: self._rep
+        )
+        return TrainState(step=self._rep, params=param_sh, opt_state=opt_sh)
+
+    def abstract_state(self, params: Any) -> TrainState:
+        """Shapes, dtypes and shardings of the state (a restore target for Orbax)."""
+        shardings = self.state_shardings(params)
+        shapes = jax.eval_shape(
+            lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p)), params
+        )
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
         )
 
-    def put_tokens(self, tokens: np.ndarray) -> jax.Array:
-        """Explicit host-to-device transfer of the stacked input, split over groups."""
-        return jax.device_put(tokens, self._group)
+    def init(self, params: Any) -> TrainState:
+        """A fresh state: ``params`` (any pytree of arrays) placed, optimizer state initialised."""
+        shardings = self.state_shardings(params)
+        placed = jax.tree.map(_put, params, shardings.params)
+        opt_state = jax.tree.map(_put, self.tx.init(placed), shardings.opt_state)
+        step = _put(np.zeros((), np.int32), self._rep)
+        return TrainState(step=step, params=placed, opt_state=opt_state)
 
-    def put_plan(self, plan: SlotPlan) -> tuple[jax.Array, ...]:
-        """Pad a plan to the slot bound (growing the bound if needed) and place it.
+    @staticmethod
+    def params(state: TrainState) -> Any:
+        """The current parameters, the pytree given to `init`."""
+        return state.params
 
-        Device copies are cached per plan content, so an unchanged live set costs
-        no transfer at all.
+    # ------------------------------------------------------------------ inputs
+
+    def table(self, alive: np.ndarray) -> tuple[slots.Slots, int]:
+        """The placed slot table of a live set and its max load (cached per live set).
+
+        Raises:
+            reorder.Interruption: some shard has no live holder.
+            ValueError: ``alive`` is not a bool array of length ``groups``, or
+                marks live a group that has no devices on this mesh.
         """
-        self.slot_bound = max(self.slot_bound, plan.slots)
-        plan = plan.padded(self.slot_bound)
-        key = (plan.index.tobytes(), plan.weight.tobytes(), plan.alive.tobytes(), plan.denom)
-        if key not in self._device_plans:
-            if len(self._device_plans) > 64:
-                self._device_plans.clear()
-            self._device_plans[key] = (
-                jax.device_put(plan.index, self._group),
-                jax.device_put(plan.weight, self._group),
-                jax.device_put(plan.alive, self._group),
-                jax.device_put(np.float32(plan.denom), self._rep),
-                jax.device_put(np.int32(plan.max_load), self._rep),
+        alive = checks.bool_mask("alive", alive, self.groups)
+        key = alive.tobytes()
+        if key in self._tables:
+            self._tables.move_to_end(key)
+            return self._tables[key]
+        if alive[np.setdiff1d(np.arange(self.groups), self.rows)].any():
+            raise ValueError("alive marks a group live that has no devices on this mesh")
+        host = slots.for_live_set(self.placement, alive, self.microbatches, self.policy)
+        self.slot_bound = max(self.slot_bound, host.width)
+        host = host.pad(self.slot_bound)
+        placed = slots.Slots(
+            index=_put(host.index[self.rows], self._group),
+            weight=_put(host.weight[self.rows], self._group),
+            alive=_put(host.alive[self.rows], self._group),
+            denom=_put(host.denom, self._rep),
+            n_slots=_put(host.n_slots, self._rep),
+        )
+        self._tables[key] = (placed, host.max_load)
+        if len(self._tables) > _CACHE_SIZE:
+            self._tables.popitem(last=False)
+        return self._tables[key]
+
+    def _layout(self, batch: Any) -> _BatchLayout:
+        leaves, treedef = jax.tree.flatten(batch)
+        if not leaves:
+            raise ValueError("batch must hold at least one array")
+        sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+        if len(sizes) != 1 or -1 in sizes:
+            raise ValueError(f"batch leaves must share one leading (row) axis, got sizes {sizes}")
+        (n,) = sizes
+        units = self.placement.shards * self.placement.shard_units * self.microbatches
+        if n < units or n % units:
+            raise ValueError(
+                f"batch must have G*m*b rows (a positive multiple of G*m = {units}), got {n}"
             )
-        return self._device_plans[key]
+        rest = tuple((tuple(np.shape(x)[1:]), np.result_type(x)) for x in leaves)
+        return _BatchLayout(treedef, rest, n // units)
+
+    def stacks(self, batch: Any) -> Any:
+        """The global batch laid out as every mesh group's stack, placed on the group axis."""
+        layout = self._layout(batch)
+        ids = self._unit_ids
+
+        def stack(x: Any) -> jax.Array:
+            rest = tuple(np.shape(x)[1:])
+            shape = (ids.shape[0], ids.shape[1], layout.rows, *rest)
+            if isinstance(x, jax.Array):
+                return self._gather(x, layout.rows)
+            host = np.asarray(x).reshape(-1, layout.rows, *rest)
+            return jax.make_array_from_callback(
+                shape, self._group, lambda index: host[ids[index[0]]][(slice(None), *index[1:])]
+            )
+
+        return jax.tree.map(stack, batch)
+
+    def _gather(self, x: jax.Array, rows: int) -> jax.Array:
+        ids = self._unit_ids
+        fn = jax.jit(lambda v: v.reshape(-1, rows, *v.shape[1:])[ids], out_shardings=self._group)
+        return fn(x)
+
+    def _check_loss(self, state: TrainState, stacks: Any) -> None:
+        key = jax.tree.structure(stacks), tuple((x.shape, x.dtype) for x in jax.tree.leaves(stacks))
+        if key in self._checked:
+            return
+        micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), stacks)
+        out = jax.eval_shape(self.loss_fn, state.params, micro)
+        if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
+            shape = getattr(out, "shape", type(out).__name__)
+            raise ValueError(
+                f"loss_fn must return a scalar (the mean micro-batch loss), got {shape}"
+            )
+        self._checked.add(key)
+
+    # ------------------------------------------------------------------ the step
+
+    def _compiled(self, state: TrainState) -> Callable[..., Any]:
+        if self.slot_bound not in self._jitted:
+            state_sh = jax.tree.map(lambda x: x.sharding, state)
+
+            def counted(state: TrainState, stacks: Any, table: slots.Slots) -> Any:
+                self.compiles += 1  # runs only while tracing: once per compilation
+                return train_step(
+                    state, stacks, table, loss_fn=self.loss_fn, tx=self.tx, mesh=self.mesh
+                )
+
+            self._jitted = {
+                self.slot_bound: jax.jit(
+                    counted,
+                    out_shardings=(state_sh, self._rep),
+                    donate_argnums=(0,) if self.donate else (),
+                )
+            }
+        return self._jitted[self.slot_bound]
+
+    def run(self, state: TrainState, stacks: Any, table: slots.Slots) -> tuple[TrainState, dict]:
+        """The jitted step on inputs already placed (`stacks`, `table`); donates ``state``.
+
+        (Unless built with ``donate=False``: survivors of a real process failure
+        rebuild the state from the buffers of the step that failed.)
+        """
+        self._check_loss(state, stacks)
+        with jax.transfer_guard("disallow"):
+            return self._compiled(state)(state, stacks, table)
 
     def __call__(
-        self, state: TrainState, tokens: jax.Array, plan: tuple[jax.Array, ...]
-    ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """Run one step on device arrays (see `put_tokens`, `put_plan`)."""
-        return self._jitted(state, tokens, *plan)
+        self, state: TrainState, batch: Any, alive: np.ndarray
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """One exact step on the failure-free global ``batch`` with the groups ``alive``.
+
+        Raises:
+            reorder.Interruption: some shard has no live holder (``state`` is untouched).
+            ValueError: a malformed ``batch`` or ``alive``, or a non-scalar loss.
+        """
+        table, load = self.table(alive)
+        new_state, metrics = self.run(state, self.stacks(batch), table)
+        return new_state, {**metrics, "max_load": load}
+
+    def on_mesh(self, mesh: Mesh, rows: np.ndarray) -> SpareStep:
+        """The same step over another mesh whose groups are the original groups ``rows``.
+
+        Survivors of a real failure use it to continue on their own devices.
+        """
+        return SpareStep(
+            self.loss_fn,
+            self.tx,
+            mesh,
+            self.placement,
+            microbatches=self.microbatches,
+            policy=self.policy,
+            param_specs=self.param_specs,
+            slot_bound=self.slot_bound,
+            rows=rows,
+            donate=self.donate,
+        )
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    strategy: str = "spare",
+    redundancy: int = 2,
+    microbatches: int = 1,
+    policy: str = "adaptive",
+    param_specs: Any = None,
+    slot_bound: int | None = None,
+    donate: bool = True,
+) -> SpareStep:
+    """SPARe's exact, failure-masked train step for any model and optax optimizer.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``, the MEAN loss over one micro-batch.
+        optimizer: any ``optax.GradientTransformation``.
+        mesh: a ``(data, redundancy, model)`` mesh (`spare_jax.make_mesh`); its
+            ``data * redundancy`` coordinates are the groups.
+        strategy: ``"spare"`` (cyclic stacking along the redundancy axis),
+            ``"replication"`` or ``"dp"`` (redundancy 1).
+        redundancy: r, the groups holding each shard.
+        microbatches: m, micro-batches per group per step.
+        policy: ``"adaptive"`` (optimal), ``"fixed"`` (stack order) or ``"drop"``
+            (the inexact drop-and-renormalise baseline).
+        param_specs: optional pytree of ``PartitionSpec`` over ``"model"`` for the
+            parameters; default replicated.
+        slot_bound: slots to compile for (default the stack size ``r * m``: never recompiles).
+        donate: reuse the input state's memory (False across real process
+            failures, where survivors rebuild the state from it).
+
+    Returns:
+        A `SpareStep`.
+    """
+    kind = strategies.canonical(strategy)
+    r = checks.integer("redundancy", redundancy, low=1)
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != mesh_lib.AXES:
+        raise ValueError(f"mesh must be a Mesh with axes {mesh_lib.AXES} (spare_jax.make_mesh)")
+    groups = mesh_lib.num_groups(mesh)
+    placement = strategies.placement(
+        kind, groups, r, ring_size=mesh_lib.ring_size(mesh, r) if kind == "spare" else None
+    )
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ValueError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
+    return SpareStep(
+        loss_fn,
+        optimizer,
+        mesh,
+        placement,
+        microbatches=microbatches,
+        policy=policy,
+        param_specs=param_specs,
+        slot_bound=slot_bound,
+        donate=donate,
+    )

@@ -1,261 +1,452 @@
-"""The training loop through failures: schedules, live sets, metrics.
+"""The training loop through failures, rollbacks, re-joins and real process losses.
 
-Owns: failure schedules (explicit ``step:group`` lists or a per-step random
-rate), the loop that turns each step's live set into a slot plan (via
-`spare_jax.reorder`, recomputed only when the live set changes), runs the
-jitted step, and writes ``WORKDIR/metrics.jsonl``, one JSON object per step with
-``step``, ``loss``, ``live_groups``, ``max_load``, ``step_time_s`` (a contract
-for external checks) plus ``overhead``, ``compiles`` and ``exact``.
+A failure travels one way. `liveness.Failures` changes the live mask before a
+step; `SpareStep.table` turns the mask into the step's slot table (through
+`reorder`, cached per live set); the step runs. When the failures leave a
+shard with no live holder, `reorder.Interruption` comes back instead of a
+table and the loop rolls back: it restores the latest complete checkpoint
+(step 0 if there is none), replaces every failed group and carries on. Every
+step is exact and the data is a pure function of the step, so the parameters
+at the end equal those of a run that never failed.
 
-Failures reach the data plane only as the live mask. Failed groups stay dead.
-When a failure leaves a shard with no live holder the loop stops with
-`TrainingInterrupted` (rollback comes with checkpointing).
+With real processes (`spare_jax.multihost`), a dead process surfaces as
+`multihost.ProcessLost` from the step: its groups are marked failed, the
+survivors' new step and state replace the old ones, and the same step is
+retried. A dead process cannot re-join this job, so an interruption after one
+ends the job with `Relaunch`; its launcher starts a fresh job, which resumes
+from the latest checkpoint (the rollback).
+
+The loop keeps the run's books: `checkpoint.Checkpointer` saves at the
+interval `checkpoint.IntervalModel` derives from measured figures;
+`runlog.RunLog` appends every step and event to ``metrics.jsonl`` and writes
+``summary.json``. Rerunning in the same work directory resumes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
+import math
 import os
+import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
-from spare_jax import data as data_lib
-from spare_jax import mesh as mesh_lib
-from spare_jax import model as model_lib
-from spare_jax import reorder
-from spare_jax import train_step as step_lib
-from spare_jax.placement import Placement
+from spare_jax import checkpoint as ckpt_lib
+from spare_jax import liveness, multihost, reorder, runlog, strategies
+from spare_jax.experiment import Run
 
-__all__ = [
-    "POLICIES",
-    "STRATEGIES",
-    "FailureSchedule",
-    "RunSetup",
-    "TrainingInterrupted",
-    "parse_failures",
-    "plan_for",
-    "setup",
-    "train",
-]
-
-STRATEGIES = ("spare", "replication", "dp")
-POLICIES = ("adaptive", "fixed", "drop")
+__all__ = ["NonFiniteLoss", "Relaunch", "TooManyRollbacks", "host_scalar", "train"]
 
 log = logging.getLogger(__name__)
 
 
-class TrainingInterrupted(RuntimeError):
-    """A shard lost all its live holders; the step cannot be completed exactly."""
-
-    def __init__(self, step: int, uncovered: Iterable[int], dead: Iterable[int]):
-        self.step = int(step)
-        self.uncovered = sorted(int(s) for s in uncovered)
-        self.dead = sorted(int(g) for g in dead)
-        super().__init__(
-            f"interrupted at step {self.step}: shard(s) {self.uncovered} have no live holder "
-            f"(dead groups {self.dead}); an exact step is impossible, roll back to a checkpoint"
-        )
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient became NaN or infinite (the state was kept as before that step)."""
 
 
-def parse_failures(spec: str, groups: int, steps: int) -> dict[int, list[int]]:
-    """Parse ``"step:group,step:group,..."`` into ``{step: [groups]}``.
+class TooManyRollbacks(RuntimeError):
+    """The run rolled back more often than ``checkpoint.max_rollbacks`` allows."""
 
-    Raises:
-        ValueError: with a message naming the bad entry.
-    """
-    out: dict[int, list[int]] = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        parts = item.split(":")
-        if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-            raise ValueError(f"bad failure {item!r}: expected step:group with integers, e.g. 3:1")
-        step, group = int(parts[0]), int(parts[1])
-        if not 0 <= step < steps:
-            raise ValueError(f"failure {item!r}: step must lie in [0, {steps})")
-        if not 0 <= group < groups:
-            raise ValueError(f"failure {item!r}: group must lie in [0, {groups}) for this mesh")
-        out.setdefault(step, []).append(group)
-    return out
+
+class Relaunch(RuntimeError):
+    """An interruption after a real process loss: only a fresh job can roll back."""
+
+
+def host_scalar(x: jax.Array) -> Any:
+    """A replicated scalar's value, read from this process's first shard."""
+    return np.asarray(x.addressable_shards[0].data).item()
 
 
 @dataclasses.dataclass
-class FailureSchedule:
-    """Which groups fail at each step: explicit, or each live group with probability ``rate``."""
+class _Interval:
+    """The checkpoint interval in force, where it came from, and the measurements behind it."""
 
-    explicit: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    rate: float = 0.0
-    seed: int = 0
+    model: ckpt_lib.IntervalModel
+    pinned: int
+    steps: int = 0
+    source: str = "model"
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    stalls: list[float] = dataclasses.field(default_factory=list)
+    saves: list[float] = dataclasses.field(default_factory=list)
+    restore_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.rate <= 1.0:
-            raise ValueError(f"failure_rate must lie in [0, 1], got {self.rate}")
-        self._rng = np.random.default_rng(np.random.SeedSequence([self.seed, 7]))
+        if self.pinned:
+            self.steps, self.source = self.pinned, "flag"
 
-    def failing(self, step: int, alive: np.ndarray) -> list[int]:
-        """Groups that fail just before ``step`` runs (call once per step, in order)."""
-        failed = set(self.explicit.get(step, []))
-        if self.rate > 0 and step > 0:
-            draws = self._rng.random(alive.shape[0]) < self.rate
-            failed |= set(np.flatnonzero(draws & alive).tolist())
-        return sorted(failed)
+    def update(self, step_times: list[float]) -> bool:
+        """Re-derive the interval from the medians measured so far; True when it changed."""
+        if self.pinned or not step_times or not self.stalls:
+            return False
+        stall = statistics.median(self.stalls)
+        save = statistics.median(self.saves) if self.saves else stall
+        restore = self.restore_s if self.restore_s is not None else save
+        step = statistics.median(step_times)
+        steps, self.figures = self.model.interval(step, stall, save, restore)
+        changed = steps != self.steps
+        self.steps = steps
+        return changed
 
-
-@dataclasses.dataclass
-class RunSetup:
-    """Everything the loop needs, built once from a config."""
-
-    mesh: jax.sharding.Mesh
-    placement: Placement
-    source: data_lib.TokenSource
-    step_fn: step_lib.TrainStep
-    state: step_lib.TrainState
-    microbatches: int
-    policy: str
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "source": self.source, "figures": self.figures}
 
 
-def _source(config: ml_collections.ConfigDict) -> data_lib.TokenSource:
-    m = config.model
-    if config.data.kind == "markov":
-        return data_lib.MarkovSource(
-            m.vocab, m.seq_len, config.batch, seed=config.seed, branching=config.data.branching
+def interval_model(run: Run, failures: liveness.Failures) -> ckpt_lib.IntervalModel:
+    """The analytical model of this run's checkpoint interval."""
+    config = run.config
+    return ckpt_lib.IntervalModel(
+        strategy=strategies.canonical(config.strategy),
+        redundancy=run.step.placement.redundancy,
+        microbatches=run.step.microbatches,
+        policy=config.policy,
+        groups=run.groups,
+        devices_per_group=int(run.step.mesh.shape["model"]),
+        steps=int(config.steps),
+        failure_rate=failures.total_rate,
+        gpu_mtbf_hours=float(config.checkpoint.gpu_mtbf_hours),
+        repair_steps=failures.repair_steps,
+    )
+
+
+class _Loop:
+    """One attempt at the run: its state, books, and the handling of each kind of failure."""
+
+    def __init__(self, run, failures, workdir, checkpoint_steps, on_step, executor):
+        config = run.config
+        self.run, self.failures, self.on_step, self.executor = run, failures, on_step, executor
+        self.workdir = workdir
+        self.total = int(config.steps)
+        self.warmup = int(config.checkpoint.warmup_steps)
+        self.max_rollbacks = int(config.checkpoint.max_rollbacks)
+        self.interval = _Interval(interval_model(run, failures), checkpoint_steps)
+        calibrate = set() if checkpoint_steps else {min(self.warmup + 1, self.total)}
+        self.policy = ckpt_lib.IntervalPolicy(
+            interval=self.interval.steps or self.total, extra=frozenset(calibrate | {self.total})
         )
-    if config.data.kind == "file":
-        if not config.data.path:
-            raise ValueError(
-                "config.data.path must name a uint16 .bin token file when data.kind='file'"
+        self.multi = executor is not None and jax.process_count() > 1
+        writer = self._is_writer()
+        self.records = runlog.RunLog(workdir, writer=writer)
+        self.ckpt = ckpt_lib.Checkpointer(
+            os.path.join(workdir, "checkpoints"),
+            self.policy,
+            keep=int(config.checkpoint.keep),
+            writer=writer,
+            process_local=self.multi,
+        )
+        self.attempt = self.records.next_attempt
+        self.global_abstract = run.step.abstract_state(run.params)
+        self.step_times: list[float] = []
+        self.rollbacks = 0
+        self.state: Any = None
+        self.t = 0
+        self.last_loss = math.nan
+        self.recovering: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- roles
+
+    def _is_writer(self) -> bool:
+        """One process writes the books: the lowest process that still holds a live group."""
+        if jax.process_count() == 1:
+            return True
+        owners = multihost.groups_of_processes(self.run.step.mesh)
+        return jax.process_index() == int(owners.min())
+
+    def _restore(self) -> ckpt_lib.Restored | None:
+        target = multihost.local_abstract(self.global_abstract)
+        restored = self.ckpt.restore_latest(target)
+        if restored is None or not self.multi:
+            return restored
+        shardings = jax.tree.map(lambda a: a.sharding, self.global_abstract)
+        state = multihost.from_local(restored.state, shardings)
+        return dataclasses.replace(restored, state=state)
+
+    def _save(self, step: int, *, force: bool = False) -> float | None:
+        state = multihost.local_view(self.state) if self.multi else self.state
+        meta = {
+            "step": step,
+            "attempt": self.attempt,
+            "liveness": self.failures.state_dict(),
+            "interval": self.interval.as_dict(),
+        }
+        return self.ckpt.save(step, state, meta, force=force)
+
+    # ---------------------------------------------------------------- phases
+
+    def start(self) -> None:
+        """Resume from the latest good checkpoint, or start fresh at step 0."""
+        restored = self._restore()
+        if restored is None:
+            self.state, self.t = self.run.fresh_state(), 0
+        else:
+            self.state, self.t = restored.state, restored.step
+            self.failures.load_state_dict(restored.meta["liveness"])
+            for r in self.records.previous:  # schedule entries fired after that save stay fired
+                if r.get("event") == "failure":
+                    self.failures.fired.update((int(r["step"]), int(g)) for g in r["scheduled"])
+            saved = restored.meta.get("interval", {})
+            if not self.interval.pinned and saved.get("steps"):
+                self.interval.steps, self.interval.figures = saved["steps"], saved["figures"]
+            self.interval.restore_s = restored.restore_s
+            self.records.event(
+                "resume",
+                step=restored.step,
+                restore_s=round(restored.restore_s, 6),
+                attempt=self.attempt,
             )
-        return data_lib.TokenFileSource(
-            config.data.path, m.vocab, m.seq_len, config.batch, seed=config.seed
-        )
-    raise ValueError(f"config.data.kind must be 'markov' or 'file', got {config.data.kind!r}")
+            log.info("resumed from checkpoint %d (attempt %d)", restored.step, self.attempt)
+        self.policy.interval = self.interval.steps or self.total
 
-
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Raise ValueError naming the first bad setting."""
-    if config.strategy not in STRATEGIES:
-        raise ValueError(
-            f"strategy must be one of {', '.join(STRATEGIES)}, got {config.strategy!r}"
+    def rollback(self, err: reorder.Interruption) -> None:
+        """Restore the latest complete checkpoint (or a fresh state), replace the failed groups."""
+        if self.multi and len(self.run.step.rows) < self.run.groups:
+            self.ckpt.wait()
+            raise Relaunch(
+                f"interrupted at step {self.t} after a process loss: shard(s) "
+                f"{np.asarray(err.uncovered).tolist()} have no live holder; relaunch to roll back"
+            )
+        self.rollbacks += 1
+        if self.rollbacks > self.max_rollbacks:
+            raise TooManyRollbacks(
+                f"rolled back {self.rollbacks - 1} times (checkpoint.max_rollbacks); "
+                "the failure rate leaves no time between interruptions"
+            )
+        self.attempt += 1
+        start = time.perf_counter()
+        self.state = None  # the interrupted state goes; its buffers with it
+        restored = self._restore()
+        self.state, to = (
+            (self.run.fresh_state(), 0) if restored is None else (restored.state, restored.step)
         )
-    if config.policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {config.policy!r}")
-    if len(config.mesh) != 3 or min(int(a) for a in config.mesh) < 1:
-        raise ValueError(
-            f"mesh must be three positive sizes (data, redundancy, model), got {config.mesh}"
+        restore_s = time.perf_counter() - start
+        self.interval.restore_s = restore_s
+        dead = np.flatnonzero(~self.failures.alive).tolist()
+        self.failures.replace_all()
+        self.records.event(
+            "rollback",
+            from_step=self.t,
+            to_step=to,
+            lost_steps=self.t - to,
+            restore_s=round(restore_s, 6),
+            uncovered=np.asarray(err.uncovered).tolist(),
+            dead=dead,
+            attempt=self.attempt,
         )
-    for name in ("redundancy", "microbatches", "steps", "batch"):
-        if int(config[name]) < 1:
-            raise ValueError(f"{name} must be >= 1, got {config[name]}")
-    model_lib.ModelConfig(**config.model).validate()
-    if config.model.heads % config.mesh[2] and config.mesh[2] > 1:
         log.warning(
-            "model axis %d does not divide heads %d: XLA will pad",
-            config.mesh[2],
-            config.model.heads,
+            "interrupted at step %d: shard(s) %s have no live holder (dead groups %s); "
+            "rolled back to step %d with every failed group replaced",
+            self.t,
+            np.asarray(err.uncovered).tolist(),
+            dead,
+            to,
+        )
+        self.t = to
+
+    def process_lost(self, lost: multihost.ProcessLost, started: float) -> None:
+        """Survivors take over: the new step and state, the dead groups marked failed."""
+        self.run.step, self.state = lost.step, lost.state
+        self.failures.fail(lost.groups, self.t)
+        killed = [multihost.kill_time(self.workdir, p) for p in lost.processes]
+        origin = max([started, *[k for k in killed if k is not None]])
+        if self._is_writer():
+            self.records.become_writer()
+            self.ckpt.become_writer()
+        self.records.event(
+            "process_failure",
+            process=lost.processes,
+            groups=lost.groups,
+            step=self.t,
+            detect_s=round(lost.detected - origin, 6),
+        )
+        self.recovering = {"origin": origin, "detected": lost.detected}
+        log.warning("process(es) %s died during step %d; %s", lost.processes, self.t, lost)
+
+    def execute(self, table: Any, load: int) -> dict[str, Any]:
+        """Run step ``t`` and return its record (raises `multihost.ProcessLost`)."""
+        t0 = time.perf_counter()
+        stacks = self.run.step.stacks(self.run.batch(self.t))
+        t1 = time.perf_counter()
+        if self.executor is not None:
+            self.executor.index = self.t
+            self.state, metrics = self.executor(self.state, stacks, table)
+        else:
+            self.state, metrics = self.run.step.run(self.state, stacks, table)
+        metrics = {k: host_scalar(v) for k, v in metrics.items()}
+        t2 = time.perf_counter()
+        if self.t > 0:  # step 0 compiles
+            self.step_times.append(t2 - t0)
+        self.last_loss = float(metrics["loss"])
+        return {
+            "step": self.t,
+            "loss": self.last_loss,
+            "live_groups": int(self.failures.alive.sum()),
+            "max_load": load,
+            "step_time_s": round(t2 - t1, 6),
+            "data_time_s": round(t1 - t0, 6),
+            "attempt": self.attempt,
+            "overhead": load / self.run.step.microbatches,
+            "grad_norm": float(metrics["grad_norm"]),
+            "compiles": self.run.step.compiles,
+            "exact": self.run.step.policy != "drop",
+        }
+
+    def checkpoint(self) -> None:
+        """Note finished saves, let Orbax's policy decide on this one, re-derive the interval."""
+        self._note_saves()
+        stall = self._save(self.t)
+        if stall is not None:
+            self.interval.stalls.append(stall)
+            self.records.event("checkpoint", step=self.t, save_s=round(stall, 6))
+        if self.t == self.warmup + 1 and self.interval.update(self.step_times):
+            self._log_interval()
+
+    def _note_saves(self) -> None:
+        done = self.ckpt.poll()
+        if done is not None:
+            self.interval.saves.append(done[1])
+            if self.interval.update(self.step_times):
+                self._log_interval()
+
+    def _log_interval(self) -> None:
+        self.policy.interval = self.interval.steps
+        f = self.interval.figures
+        log.info(
+            "checkpoint interval %d steps: the model's optimum %.3f s for step %.4f s, save "
+            "stall %.4f s, save %.4f s, restore %.4f s, group MTBF %.2f s (MTTI %.2f s)",
+            self.interval.steps,
+            f["interval_s"],
+            f["step_s"],
+            f["save_stall_s"],
+            f["save_s"],
+            f["restore_s"],
+            f["group_mtbf_s"],
+            f["mtti_s"],
         )
 
+    def loop(self) -> None:
+        retry = False
+        while self.t < self.total:
+            if not retry:
+                change = self.failures.advance(self.t)
+                if change.rejoined:
+                    self.records.event("rejoin", step=self.t, groups=list(change.rejoined))
+                if change.failed:
+                    self.records.event(
+                        "failure",
+                        step=self.t,
+                        groups=list(change.failed),
+                        scheduled=list(change.scheduled),
+                    )
+            retry = False
+            try:
+                table, load = self.run.step.table(self.failures.alive.copy())
+            except reorder.Interruption as err:
+                self.rollback(err)
+                continue
+            started = time.time()
+            try:
+                record = self.execute(table, load)
+            except multihost.ProcessLost as lost:
+                self.process_lost(lost, started)
+                retry = True
+                continue
+            if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+                self.non_finite(record)
+            self.records.write(record)
+            if self.recovering is not None:
+                now = time.time()
+                self.records.event(
+                    "recovered",
+                    step=self.t,
+                    live_groups=int(self.failures.alive.sum()),
+                    recovery_s=round(now - self.recovering["origin"], 6),
+                    since_detection_s=round(now - self.recovering["detected"], 6),
+                    rolled_back=False,
+                )
+                self.recovering = None
+            if self.on_step:
+                self.on_step(record)
+            self.t += 1
+            self.checkpoint()
 
-def setup(config: ml_collections.ConfigDict) -> RunSetup:
-    """Mesh, placement, data, model state and the jitted step for a config."""
-    validate(config)
-    mesh = mesh_lib.make_mesh(tuple(config.mesh))
-    placement = mesh_lib.placement_for(config.strategy, mesh, int(config.redundancy))
-    m = int(config.microbatches)
-    cfg = model_lib.ModelConfig(**config.model)
-    tx = step_lib.make_optimizer(
-        config.learning_rate,
-        config.warmup_steps,
-        config.steps,
-        config.weight_decay,
-        config.clip_norm,
-    )
-    graphdef, state, shardings = step_lib.init_state(cfg, tx, mesh, config.seed)
-    stack = placement.depth * placement.shard_units * m
-    bound = int(config.slot_bound) or stack
-    step_fn = step_lib.TrainStep(mesh, graphdef, tx, shardings, slot_bound=bound)
-    return RunSetup(mesh, placement, _source(config), step_fn, state, m, config.policy)
+    def non_finite(self, record: dict[str, Any]) -> None:
+        """Save the last good state (the step kept it) and stop."""
+        record["loss"] = record["grad_norm"] = None
+        self.records.write(record)
+        self._save(self.t, force=True)
+        self.ckpt.wait()
+        raise NonFiniteLoss(
+            f"the loss became non-finite at step {self.t}; the state before it is saved as "
+            f"checkpoint {self.t} in {self.ckpt.directory}"
+        )
 
+    def finish(self) -> dict[str, Any]:
+        """Wait for saves, make sure the last step is saved, write the summary."""
+        self.ckpt.wait()
+        self._note_saves()
+        if self.total not in self.ckpt.steps():
+            self._save(self.total, force=True)
+            self.ckpt.wait()
+        records = self.records.records() if self.records.writer else []
+        last = {r["step"]: r for r in records if "event" not in r and "step" in r}
+        final_loss = last.get(self.total - 1, {}).get("loss")
+        if final_loss is None and math.isfinite(self.last_loss):
+            final_loss = self.last_loss
+        summary = {
+            "final_step": int(host_scalar(self.state.step)),
+            "final_loss": final_loss,
+            "param_checksum": ckpt_lib.param_checksum(self.state.params),
+            "checkpoint_interval_steps": int(self.interval.steps or self.policy.interval),
+            "checkpoint_interval_source": self.interval.source,
+            "checkpoint_interval_figures": self.interval.figures,
+            "rollbacks": sum(1 for r in records if r.get("event") in ("rollback", "relaunch")),
+            "attempts": 1 + max((r.get("attempt", 0) for r in records), default=0),
+            "goodput": runlog.goodput(records, self.run.step.microbatches),
+        }
+        self.records.write_summary(summary)
+        return summary
 
-def plan_for(run: RunSetup, alive: np.ndarray) -> step_lib.SlotPlan:
-    """The slot plan of a live set under the run's policy (raises reorder.Interruption)."""
-    if run.policy == "drop":
-        return step_lib.drop_and_renormalise_plan(run.placement, alive, run.microbatches)
-    return step_lib.plan_from_assignment(
-        reorder.assign(run.placement, alive, run.microbatches, run.policy)
-    )
-
-
-def _plan_or_interrupt(run: RunSetup, alive: np.ndarray, step: int) -> step_lib.SlotPlan:
-    try:
-        return plan_for(run, alive)
-    except reorder.Interruption as err:
-        raise TrainingInterrupted(step, err.uncovered, np.flatnonzero(~alive)) from None
-    except ValueError:
-        if not alive.any():  # the drop baseline never interrupts until nobody is left
-            everything = range(run.placement.shards)
-            raise TrainingInterrupted(step, everything, range(alive.size)) from None
-        raise
+    def close(self) -> None:
+        self.ckpt.close()
+        self.records.close()
 
 
 def train(
-    run: RunSetup,
-    steps: int,
-    failures: FailureSchedule,
-    workdir: str | None = None,
-    on_step: Callable[[dict], None] | None = None,
-) -> list[dict]:
-    """Train ``steps`` steps through ``failures``; return the per-step metrics.
+    run: Run,
+    failures: liveness.Failures,
+    workdir: str,
+    *,
+    checkpoint_steps: int = 0,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    executor: multihost.Executor | None = None,
+) -> dict[str, Any]:
+    """Train ``config.steps`` steps through ``failures``; resume if ``workdir`` holds the run.
+
+    Args:
+        run: the built run (`spare_jax.experiment.setup`).
+        failures: the failure process (its state is restored on resume).
+        workdir: output directory: ``metrics.jsonl``, ``summary.json``, ``checkpoints/``.
+        checkpoint_steps: 0 for the analytical model's interval, N > 0 to pin it.
+        on_step: called with each per-step record (progress display).
+        executor: runs each step under ``live_devices`` (multi-process jobs).
+
+    Returns:
+        The summary written to ``summary.json``.
 
     Raises:
-        TrainingInterrupted: when a failure leaves a shard uncovered (the metrics
-            of the completed steps are already written).
+        NonFiniteLoss: the loss became non-finite (the last good state is saved first).
+        TooManyRollbacks: more rollbacks than ``checkpoint.max_rollbacks``.
+        Relaunch: an interruption after a real process loss (multi-process only).
+        checkpoint.NoUsableCheckpoint: checkpoints exist and none restores.
     """
-    groups = run.placement.groups
-    alive = np.ones(groups, bool)
-    records: list[dict] = []
-    plan, plan_key = None, None
-    with contextlib.ExitStack() as stack:
-        sink = None
-        if workdir:
-            os.makedirs(workdir, exist_ok=True)
-            sink = stack.enter_context(open(os.path.join(workdir, "metrics.jsonl"), "w"))
-        for step in range(steps):
-            for g in failures.failing(step, alive):
-                alive[g] = False
-            if plan_key != alive.tobytes():
-                plan = _plan_or_interrupt(run, alive, step)
-                plan_key = alive.tobytes()
-            t0 = time.perf_counter()
-            tokens = run.step_fn.put_tokens(
-                data_lib.stack_inputs(run.source, run.placement, run.microbatches, step)
-            )
-            device_plan = run.step_fn.put_plan(plan)
-            t1 = time.perf_counter()
-            with jax.transfer_guard("disallow"):
-                run.state, metrics = run.step_fn(run.state, tokens, device_plan)
-            metrics = jax.device_get(metrics)
-            t2 = time.perf_counter()
-            record = {
-                "step": step,
-                "loss": float(metrics["loss"]),
-                "live_groups": int(alive.sum()),
-                "max_load": int(plan.max_load),
-                "step_time_s": round(t2 - t1, 6),
-                "data_time_s": round(t1 - t0, 6),
-                "overhead": plan.max_load / run.microbatches,
-                "grad_norm": float(metrics["grad_norm"]),
-                "compiles": run.step_fn.compiles,
-                "exact": plan.exact,
-            }
-            records.append(record)
-            if sink:
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-            if on_step:
-                on_step(record)
-    return records
+    loop = _Loop(run, failures, workdir, checkpoint_steps, on_step, executor)
+    try:
+        loop.start()
+        loop.loop()
+        return loop.finish()
+    finally:
+        loop.close()

@@ -1,11 +1,10 @@
-"""Token sources are pure functions of (seed, step, unit); stacks hold the right shards."""
+"""Token sources are pure functions of (seed, step, unit); the global batch lays units in order."""
 
 import numpy as np
 import pytest
 
 from spare_jax import data as data_lib
 from spare_jax import placement as placement_lib
-from spare_jax import strategies
 
 
 def test_markov_source_is_deterministic_and_learnable():
@@ -21,20 +20,12 @@ def test_markov_source_is_deterministic_and_learnable():
     assert a.entropy_rate() < 0.5 * a.unigram_entropy()
 
 
-@pytest.mark.parametrize(
-    "kind,r", [("cyclic", 2), ("cyclic", 3), ("replication", 2), ("data_parallel", 1)]
-)
-def test_stacks_cover_the_same_global_batch(kind, r):
-    p = strategies.placement(kind, 6, r)
-    m = 2
+def test_global_batch_is_the_units_in_order():
     source = data_lib.MarkovSource(16, 4, 2, seed=0)
-    ids = data_lib.unit_ids(p, m)
-    assert ids.shape == (6, p.depth * p.shard_units * m)
-    assert set(ids.ravel().tolist()) == set(range(6 * m))  # the same G*m units for every strategy
-    stacks = data_lib.stack_inputs(source, p, m, step=4)
-    for g in range(6):
-        for j, u in enumerate(ids[g]):
-            np.testing.assert_array_equal(stacks[g, j], source.unit(4, int(u)))
+    batch = data_lib.global_batch(source, 6, step=4)
+    assert batch.shape == (12, 5)
+    for u in range(6):
+        np.testing.assert_array_equal(batch[2 * u : 2 * u + 2], source.unit(4, u))
 
 
 def test_token_file_source(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from spare_jax import mesh as mesh_lib
+from spare_jax import strategies
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (8, 1, 1), (1, 4, 2)])
@@ -43,18 +44,18 @@ def test_logical_rules():
         mesh_lib.logical_spec(["nonsense"])
 
 
-def test_placements_on_the_mesh():
+def test_rings_on_the_mesh():
+    """SPARe's ring is the redundancy axis, or the whole machine when that axis is shorter than r."""
     mesh = mesh_lib.make_mesh((2, 2, 2))
-    rings = mesh_lib.placement_for("spare", mesh, 2)
+    assert mesh_lib.ring_size(mesh, 2) == 2
+    assert mesh_lib.ring_size(mesh, 3) is None
+    rings = strategies.placement("spare", 4, 2, ring_size=mesh_lib.ring_size(mesh, 2))
     # One ring per data coordinate, along the redundancy axis.
     assert rings.rings.tolist() == [[0, 1], [2, 3]]
     assert rings.stacks.tolist() == [[0, 1], [1, 0], [2, 3], [3, 2]]
-    # r > R: the whole machine is one ring.
-    whole = mesh_lib.placement_for("spare", mesh, 3)
+    whole = strategies.placement("spare", 4, 3, ring_size=mesh_lib.ring_size(mesh, 3))
     assert whole.rings.tolist() == [[0, 1, 2, 3]]
-    rep = mesh_lib.placement_for("replication", mesh, 2)
+    rep = strategies.placement("replication", 4, 2)
     assert rep.stacks.ravel().tolist() == [0, 0, 1, 1] and rep.shard_units == 2
-    dp = mesh_lib.placement_for("dp", mesh, 5)
+    dp = strategies.placement("dp", 4, 1)
     assert dp.redundancy == 1 and dp.stacks.ravel().tolist() == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="unknown strategy"):
-        mesh_lib.placement_for("raid", mesh, 2)

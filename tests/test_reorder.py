@@ -190,15 +190,6 @@ def test_sparse_failures_cost_one_extra_microbatch():
     assert reorder.max_load(p, alive, 8, policy="fixed") == 16
 
 
-def test_padded_work():
-    a = reorder.assign(placement.cyclic(6, 2), reorder.alive_mask(6, [2]), 2)
-    work, counted = a.padded(a.max_load + 2)
-    assert work.shape == (6, a.max_load + 2, 2) and (work[:, a.max_load :] == -1).all()
-    assert counted.sum() == a.counted.sum() == 12
-    with pytest.raises(ValueError):
-        a.padded(a.max_load - 1)
-
-
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -215,6 +206,23 @@ def test_bad_arguments(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         reorder.assign(**args)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: reorder.alive_mask(6, [1.0]), "dead group id must be an integer"),
+        (lambda: reorder.alive_mask(6, ["2"]), "dead group id must be an integer"),
+        (lambda: reorder.alive_mask(6, [6]), "dead group id must be <= 5"),
+        (lambda: reorder.alive_mask(6, [-1]), "dead group id must be >= 0"),
+        (lambda: reorder.alive_mask(2.5, []), "groups must be an integer"),
+        (lambda: reorder.uncovered(placement.cyclic(6, 2), np.ones(5, bool)), "shape"),
+        (lambda: reorder.uncovered(placement.cyclic(6, 2), np.ones(6)), "bool"),
+    ],
+)
+def test_live_set_helpers_refuse_nonsense(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,4 +1,4 @@
-"""The failure-masked step is exact, compiles once per slot bound, and moves no hidden data.
+"""The failure-masked step on the project's LM: exact, compiled once per slot bound, no hidden data.
 
 Exactness tolerance: after K steps, parameters and per-step losses of a run
 through failures match the failure-free run with ``rtol=1e-5, atol=1e-6``
@@ -11,14 +11,15 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from spare_jax import data as data_lib
 from spare_jax import mesh as mesh_lib
 from spare_jax import model as model_lib
-from spare_jax import placement as placement_lib
-from spare_jax import reorder
+from spare_jax import reorder, slots, trainer
 from spare_jax import train_step as step_lib
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -27,60 +28,44 @@ CFG = model_lib.ModelConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=1, 
 BATCH = 2
 
 
-# Every test pads each group's stack to STACK local micro-batches (rows past r*m
-# are never indexed), so one compiled step serves every (placement, r, m) on a mesh.
-STACK = 6
-
-
 @functools.cache
-def _setup(mesh_shape: tuple[int, int, int], bound: int = STACK):
-    """Mesh, compiled step (shared by every placement) and a host copy of the init state."""
-    mesh = mesh_lib.make_mesh(mesh_shape)
-    tx = step_lib.make_optimizer(3e-3, 2, 20)
-    graphdef, state, shardings = step_lib.init_state(CFG, tx, mesh, seed=0)
-    step = step_lib.TrainStep(mesh, graphdef, tx, shardings, slot_bound=bound)
-    host = jax.device_get(state)
-    return mesh, step, host, shardings
+def _model():
+    graphdef, params = model_lib.init_params(CFG, 0)
+    return functools.partial(model_lib.loss_fn, graphdef), params
 
 
-def _tokens(step, source, placement, m, t):
-    stack = data_lib.stack_inputs(source, placement, m, t)
-    pad = STACK - stack.shape[1]
-    return step.put_tokens(np.pad(stack, ((0, 0), (0, pad), (0, 0), (0, 0))))
+def _step(mesh_shape, strategy="spare", r=2, m=1, policy="adaptive", tx=None, slot_bound=None):
+    loss, params = _model()
+    return step_lib.make_train_step(
+        loss,
+        tx or trainer.make_optimizer(3e-3, 2, 20),
+        mesh_lib.make_mesh(mesh_shape),
+        strategy=strategy,
+        redundancy=r,
+        microbatches=m,
+        policy=policy,
+        param_specs=model_lib.param_specs(params),
+        slot_bound=slot_bound,
+    )
 
 
-def _fresh(host, shardings):
-    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), host, shardings)
-
-
-def _run(
-    setup,
-    placement,
-    m,
-    dead_at: dict[int, list[int]] | None = None,
-    policy="adaptive",
-    steps: int = K,
-):
-    """Train `steps` steps; return (losses, host params, max loads)."""
-    _, step, host, shardings = setup
-    state = _fresh(host, shardings)
+def _batch(step, t):
     source = data_lib.MarkovSource(CFG.vocab, CFG.seq_len, BATCH, seed=1)
-    alive = np.ones(placement.groups, bool)
+    return data_lib.global_batch(source, step.groups * step.microbatches, t)
+
+
+def _run(step, dead_at=None, steps=K):
+    """Train ``steps`` steps with groups dying at the given steps; (losses, params, loads)."""
+    state = step.init(_model()[1])
+    alive = np.ones(step.groups, bool)
     losses, loads = [], []
     for t in range(steps):
         for g in (dead_at or {}).get(t, []):
             alive[g] = False
-        if policy == "drop":
-            plan = step_lib.drop_and_renormalise_plan(placement, alive, m)
-        else:
-            plan = step_lib.plan_from_assignment(reorder.assign(placement, alive, m, policy))
-        tokens = _tokens(step, source, placement, m, t)
-        device_plan = step.put_plan(plan)
-        with jax.transfer_guard("disallow"):
-            state, metrics = step(state, tokens, device_plan)
-        losses.append(float(jax.device_get(metrics["loss"])))
-        loads.append(plan.max_load)
-    return np.array(losses), jax.device_get(state.params), loads
+        state, metrics = step(state, _batch(step, t), alive)
+        losses.append(float(metrics["loss"]))
+        loads.append(metrics["max_load"])
+    return np.array(losses), jax.device_get(step.params(state)), loads
 
 
 def _max_error(a, b) -> float:
@@ -111,133 +96,99 @@ CASES = [(shape, r, m) for shape in [(2, 2, 2), (8, 1, 1)] for r in (2, 3) for m
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,r,m", CASES)
 def test_failures_match_failure_free_run(mesh_shape, r, m):
-    setup = _setup(mesh_shape)
-    placement = mesh_lib.placement_for("spare", setup[0], r)
-    ref_losses, ref_params, ref_loads = _run(setup, placement, m)
+    adaptive = _step(mesh_shape, r=r, m=m)
+    fixed = _step(mesh_shape, r=r, m=m, policy="fixed")
+    ref_losses, ref_params, ref_loads = _run(adaptive)
     assert ref_loads == [m] * K
     rng = np.random.default_rng(100 * r + 10 * m + mesh_shape[0])
     for trial in range(2):
-        schedule = _random_schedule(placement, rng)
+        schedule = _random_schedule(adaptive.placement, rng)
         assert schedule, "a failure schedule must kill someone"
-        for policy in ("adaptive", "fixed") if trial == 0 else ("adaptive",):
-            losses, params, loads = _run(setup, placement, m, schedule, policy)
+        for step in (adaptive, fixed) if trial == 0 else (adaptive,):
+            losses, params, loads = _run(step, schedule)
             assert max(loads) > m, "failures must change the assignment"
             np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
-            assert _max_error(params, ref_params) <= 1.0, (schedule, policy)
-    assert setup[1].compiles == 1  # one compilation for every case on this mesh
+            assert _max_error(params, ref_params) <= 1.0, (schedule, step.policy)
+    assert adaptive.compiles == fixed.compiles == 1  # one compilation through every live set
 
 
 def test_drop_and_renormalise_misses_the_tolerance():
-    setup = _setup((8, 1, 1))
-    placement = mesh_lib.placement_for("spare", setup[0], 2)
-    _, ref_params, _ = _run(setup, placement, 1)
     schedule = {1: [3], 2: [6]}
-    _, exact_params, _ = _run(setup, placement, 1, schedule)
-    _, drop_params, _ = _run(setup, placement, 1, schedule, policy="drop")
+    _, ref_params, _ = _run(_step((8, 1, 1)))
+    _, exact_params, _ = _run(_step((8, 1, 1)), schedule)
+    _, drop_params, _ = _run(_step((8, 1, 1), policy="drop"), schedule)
     assert _max_error(exact_params, ref_params) <= 1.0
     drop_error = _max_error(drop_params, ref_params)
     assert drop_error > 100.0, f"drop baseline error only {drop_error:.3g}x the tolerance"
-    worst = max(
-        jax.tree.leaves(
-            jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), drop_params, ref_params)
-        )
-    )
-    assert worst > 1e-4
 
 
 def test_strategies_train_on_the_same_batch():
     """Failure-free spare (r=2), replication (r=2) and dp give the same losses: like for like."""
-    spare_setup = _setup((8, 1, 1))
-    mesh = spare_setup[0]
-    spare, _, _ = _run(spare_setup, mesh_lib.placement_for("spare", mesh, 2), 1)
-    replication, rep_params, _ = _run(
-        spare_setup, mesh_lib.placement_for("replication", mesh, 2), 1
-    )
-    dp, dp_params, dp_loads = _run(_setup((8, 1, 1)), mesh_lib.placement_for("dp", mesh, 1), 1)
+    spare, _, _ = _run(_step((8, 1, 1)))
+    replication, rep_params, rep_loads = _run(_step((8, 1, 1), "replication"))
+    dp, dp_params, dp_loads = _run(_step((8, 1, 1), "dp", r=1))
     np.testing.assert_allclose(replication, spare, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(dp, spare, rtol=RTOL, atol=ATOL)
     assert _max_error(rep_params, dp_params) <= 1.0
-    assert dp_loads == [1] * K
+    assert dp_loads == [1] * K and rep_loads == [2] * K  # replication always pays r x
 
 
 def test_replication_with_failures_is_exact():
-    setup = _setup((8, 1, 1))
-    placement = mesh_lib.placement_for("replication", setup[0], 2)
-    ref_losses, ref_params, ref_loads = _run(setup, placement, 1)
-    losses, params, loads = _run(setup, placement, 1, {1: [0], 2: [3, 5]})
-    assert ref_loads == loads == [2] * K  # replication always pays r x
+    ref_losses, ref_params, _ = _run(_step((8, 1, 1), "replication"))
+    losses, params, loads = _run(_step((8, 1, 1), "replication"), {1: [0], 2: [3, 5]})
+    assert loads == [2] * K
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     assert _max_error(params, ref_params) <= 1.0
 
 
-def test_data_parallel_failure_interrupts():
-    placement = placement_lib.data_parallel(8)
-    with pytest.raises(reorder.Interruption) as err:
-        reorder.assign(placement, reorder.alive_mask(8, [5]), 1)
-    assert list(err.value.uncovered) == [5]
-
-
 def test_no_recompile_within_the_slot_bound():
-    m, r = 2, 2
-    mesh, step, host, shardings = _setup((8, 1, 1), bound=m + 1)
-    placement = mesh_lib.placement_for("spare", mesh, r)
-    source = data_lib.MarkovSource(CFG.vocab, CFG.seq_len, BATCH, seed=1)
-    state = _fresh(host, shardings)
-    live_sets = [[], [1], [1, 5], [2], [2, 5], [0, 4], [3, 7]]
-    for t, dead in enumerate(live_sets):
-        plan = step_lib.plan_from_assignment(
-            reorder.assign(placement, reorder.alive_mask(8, dead), m)
-        )
-        assert plan.max_load <= m + 1
-        with jax.transfer_guard("disallow"):
-            state, _ = step(state, _tokens(step, source, placement, m, t), step.put_plan(plan))
+    m = 2
+    step = _step((8, 1, 1), m=m, slot_bound=m + 1)
+    state = step.init(_model()[1])
+    for t, dead in enumerate([[], [1], [1, 5], [2], [2, 5], [0, 4], [3, 7]]):
+        state, metrics = step(state, _batch(step, t), reorder.alive_mask(8, dead))
+        assert metrics["max_load"] <= m + 1
     assert step.compiles == 1
-    assert step._jitted._cache_size() == 1
     # Fixed order puts a dead group's whole shard on one neighbour: 2m = 4 slots
     # exceed the bound of 3, so the step compiles exactly once more.
-    plan = step_lib.plan_from_assignment(
-        reorder.assign(placement, reorder.alive_mask(8, [2]), m, "fixed")
+    fixed = step_lib.SpareStep(
+        step.loss_fn, step.tx, step.mesh, step.placement, microbatches=m, policy="fixed"
     )
-    assert plan.max_load == 2 * m
-    state, _ = step(state, _tokens(step, source, placement, m, 9), step.put_plan(plan))
-    assert step.compiles == 2 and step.slot_bound == 2 * m
-    plan = step_lib.plan_from_assignment(reorder.assign(placement, reorder.alive_mask(8, [5]), m))
-    state, _ = step(state, _tokens(step, source, placement, m, 10), step.put_plan(plan))
-    assert step.compiles == 2
+    fixed.slot_bound, fixed._jitted = step.slot_bound, step._jitted  # share the executable
+    fixed.compiles = step.compiles
+    state, metrics = fixed(state, _batch(step, 9), reorder.alive_mask(8, [2]))
+    assert metrics["max_load"] == 2 * m and fixed.slot_bound == 2 * m and fixed.compiles == 2
+    state, _ = fixed(state, _batch(step, 10), reorder.alive_mask(8, [5]))
+    assert fixed.compiles == 2
 
 
 def test_state_sharding_and_donation():
-    mesh, step, host, shardings = _setup((2, 2, 2))
-    state = _fresh(host, shardings)
-    assert state.params["blocks"][0]["mlp"]["up"].sharding.spec == jax.sharding.PartitionSpec(
-        None, "model"
-    )
+    step = _step((2, 2, 2), m=2)
+    state = step.init(_model()[1])
+    up = state.params["blocks"][0]["mlp"]["up"]
+    assert up.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     assert state.params["embed"].sharding.spec == jax.sharding.PartitionSpec(None, None)
-    placement = mesh_lib.placement_for("spare", mesh, 2)
-    source = data_lib.MarkovSource(CFG.vocab, CFG.seq_len, BATCH, seed=1)
-    plan = step_lib.plan_from_assignment(reorder.assign(placement, reorder.alive_mask(4, [1]), 2))
     old_leaf = state.params["head"]
-    with jax.transfer_guard("disallow"):
-        new_state, _ = step(state, _tokens(step, source, placement, 2, 0), step.put_plan(plan))
+    new_state, _ = step(state, _batch(step, 0), reorder.alive_mask(4, [1]))
     assert old_leaf.is_deleted(), "the train state must be donated"
+    assert not _model()[1]["head"].is_deleted(), "init must copy, not alias, the caller's params"
     up = new_state.params["blocks"][0]["mlp"]["up"]
     assert up.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     mu = new_state.opt_state[0].mu["blocks"][0]["mlp"]["up"]
     assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
 
-def test_plan_rejects_inconsistent_assignments():
-    placement = placement_lib.cyclic(4, 2)
-    plan = step_lib.plan_from_assignment(reorder.assign(placement, reorder.alive_mask(4, [2]), 2))
-    assert plan.denom == 8.0 and plan.exact
-    assert np.all(plan.index[2] == -1) and plan.alive[2] == 0.0
-    assert plan.weight.sum() == 8
-    padded = plan.padded(6)
-    assert padded.slots == 6 and np.all(padded.index[:, plan.slots :] == -1)
-    with pytest.raises(ValueError):
-        plan.padded(plan.slots - 1)
-    drop = step_lib.drop_and_renormalise_plan(placement, reorder.alive_mask(4, [2]), 2)
-    assert not drop.exact and drop.denom == 6.0
+def test_stacks_hold_each_groups_shards_once_per_holder():
+    step = _step((1, 4, 2), r=2, m=2)
+    batch = _batch(step, 3)
+    stacks = jax.device_get(step.stacks(batch))
+    ids = slots.unit_ids(step.placement, 2)
+    assert stacks.shape == (4, 4, BATCH, CFG.seq_len + 1)
+    for g in range(4):
+        for j, u in enumerate(ids[g]):
+            np.testing.assert_array_equal(stacks[g, j], batch[u * BATCH : (u + 1) * BATCH])
+    device = step.stacks(jnp.asarray(batch))  # a device batch is gathered on device
+    np.testing.assert_array_equal(jax.device_get(device), stacks)
 
 
 @pytest.mark.parametrize(
@@ -249,33 +200,14 @@ def test_synchronised_gradient_is_the_global_mean_gradient(mesh_shape, dead):
     (Adam is invariant to a uniform gradient scale, so this catches what the
     failure-vs-failure-free comparisons alone cannot.)
     """
-    import jax.numpy as jnp
-    import optax
-
     m = 2
-    mesh = mesh_lib.make_mesh(mesh_shape)
-    tx = optax.sgd(1.0)
-    graphdef, state, shardings = step_lib.init_state(CFG, tx, mesh, seed=0)
-    host = jax.device_get(state)
-    placement = mesh_lib.placement_for("spare", mesh, 2)
-    groups = placement.groups
-    source = data_lib.MarkovSource(CFG.vocab, CFG.seq_len, BATCH, seed=1)
-    units = np.stack([source.unit(0, u) for u in range(groups * m)])
-    ref = jax.grad(
-        lambda p: jnp.mean(
-            jnp.stack([model_lib.loss_fn(graphdef, p, jnp.asarray(u)) for u in units])
-        )
-    )(host.params)
-    step = step_lib.TrainStep(mesh, graphdef, tx, shardings, slot_bound=2 * m)
+    step = _step(mesh_shape, m=m, tx=optax.sgd(1.0))
+    loss, params = _model()
+    batch = _batch(step, 0)
+    units = batch.reshape(step.groups * m, BATCH, -1)
+    ref = jax.grad(lambda p: jnp.mean(jnp.stack([loss(p, jnp.asarray(u)) for u in units])))(params)
     for d in ([], dead):
-        plan = step_lib.plan_from_assignment(
-            reorder.assign(placement, reorder.alive_mask(groups, d), m)
-        )
-        new, _ = step(
-            _fresh(host, shardings),
-            step.put_tokens(data_lib.stack_inputs(source, placement, m, 0)),
-            step.put_plan(plan),
-        )
-        grad = jax.tree.map(lambda a, b: a - b, host.params, jax.device_get(new.params))
+        new, _ = step(step.init(params), batch, reorder.alive_mask(step.groups, d))
+        grad = jax.tree.map(lambda a, b: a - b, jax.device_get(params), jax.device_get(new.params))
         np.testing.assert_allclose(optax.tree.norm(grad), optax.tree.norm(ref), rtol=1e-5)
         assert _max_error(grad, ref) <= 1.0

@@ -1,0 +1,161 @@
+"""A run's records: ``metrics.jsonl`` (append-only) and ``summary.json``, and the goodput.
+
+``WORKDIR/metrics.jsonl`` holds one JSON object per line and is only ever
+appended to: a rerun, a resume or a rollback adds records, never removes one.
+Per-step records carry ``step``, ``loss``, ``live_groups``, ``max_load``,
+``step_time_s`` and ``attempt`` (0, then +1 at each resume or rollback: a
+reader keeps the last record of each step). Event records carry an ``event``
+key: ``checkpoint`` (``step``, ``save_s``), ``failure`` (``step``,
+``groups``), ``rejoin`` (``step``, ``groups``), ``rollback`` (``from_step``,
+``to_step``, ``lost_steps``, ``restore_s``), ``resume`` (``step``), and, with
+real processes, ``process_failure``, ``recovered`` and ``relaunch``.
+
+Files are opened without following symbolic links, so a record is never
+written outside the work directory, and ``summary.json`` is replaced
+atomically.
+
+`goodput` derives the time budget from the records alone, so it survives a
+killed process: the last record of each step is useful work (split into
+compute at the failure-free load and reordering overhead beyond it), every
+earlier record of the same step is lost work, and the checkpoint, rollback and
+resume events give the stalls and the recovery time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["RunLog", "goodput", "read_records"]
+
+_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics file (empty if it does not exist; a torn last line is skipped)."""
+    if not os.path.lexists(path):
+        return []
+    if os.path.islink(path):
+        raise ValueError(f"{path} is a symbolic link; refusing to read through it")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed process
+    return records
+
+
+class RunLog:
+    """Appends records to ``WORKDIR/metrics.jsonl`` and writes ``WORKDIR/summary.json``."""
+
+    def __init__(self, workdir: str, *, writer: bool = True):
+        self.workdir = workdir
+        self.metrics_path = os.path.join(workdir, "metrics.jsonl")
+        self.summary_path = os.path.join(workdir, "summary.json")
+        self.previous = read_records(self.metrics_path)
+        self._fd: int | None = None
+        if writer:
+            self.become_writer()
+
+    @property
+    def writer(self) -> bool:
+        """Whether this process writes (one process of a multi-process job does)."""
+        return self._fd is not None
+
+    def become_writer(self) -> None:
+        """Open the metrics file for appending (once; a no-op for the writer)."""
+        if self._fd is not None:
+            return
+        try:
+            self._fd = os.open(self.metrics_path, _FLAGS, 0o644)
+        except OSError as err:
+            raise ValueError(f"cannot append to {self.metrics_path}: {err.strerror}") from None
+        with open(self.metrics_path, "rb") as f:  # a line cut short by a kill ends here
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    os.write(self._fd, b"\n")
+
+    @property
+    def next_attempt(self) -> int:
+        """0 for a new run, else one more than the last attempt on record."""
+        attempts = [r["attempt"] for r in self.previous if "attempt" in r]
+        return max(attempts) + 1 if attempts else 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (one line, handed to the OS at once); only the writer writes."""
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(record, allow_nan=False) + "\n").encode())
+
+    def event(self, name: str, **fields: Any) -> dict[str, Any]:
+        """Append an event record ``{"event": name, ...}`` and return it."""
+        record = {"event": name, **fields}
+        self.write(record)
+        return record
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record on file, this run's included."""
+        return read_records(self.metrics_path)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Replace ``summary.json`` atomically (a temporary file in the work directory)."""
+        if self._fd is None:
+            return
+        tmp = os.path.join(self.workdir, f".summary.json.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, self.summary_path)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def goodput(records: Iterable[dict[str, Any]], microbatches: int) -> dict[str, float]:
+    """Seconds spent in useful compute, reordering, checkpoint stalls, recovery and lost work.
+
+    Args:
+        records: a run's metrics records, in file order.
+        microbatches: m, the failure-free load; time beyond it is reordering overhead.
+
+    Returns:
+        ``useful_s``, ``reordering_s``, ``checkpoint_s``, ``recovery_s``, ``lost_s``
+        and their sum ``total_s``.
+    """
+    last: dict[int, dict[str, Any]] = {}
+    lost = checkpoint = recovery = 0.0
+    for r in records:
+        event = r.get("event")
+        if event is None and "step" in r:
+            if r["step"] in last:
+                lost += last[r["step"]]["step_time_s"]
+            last[r["step"]] = r
+        elif event == "checkpoint":
+            checkpoint += r.get("save_s", 0.0)
+        elif event in ("rollback", "resume"):
+            recovery += r.get("restore_s", 0.0)
+        elif event in ("recovered", "relaunch"):
+            recovery += r.get("recovery_s", r.get("relaunch_s", 0.0))
+    useful = reordering = 0.0
+    for r in last.values():
+        share = min(1.0, microbatches / max(r["max_load"], 1))
+        useful += r["step_time_s"] * share
+        reordering += r["step_time_s"] * (1.0 - share)
+    out = {
+        "useful_s": useful,
+        "reordering_s": reordering,
+        "checkpoint_s": checkpoint,
+        "recovery_s": recovery,
+        "lost_s": lost,
+    }
+    out = {k: round(v, 6) if math.isfinite(v) else 0.0 for k, v in out.items()}
+    out["total_s"] = round(sum(out.values()), 6)
+    return out
