@@ -57,6 +57,9 @@ _HANG_S = flags.DEFINE_float(
     lower_bound=1.0,
 )
 _GRACE_S = 5.0  # after the first worker leaves, the others have this long to follow
+# Worker settings for a job on one machine, unless given: a dead worker is seen
+# within seconds. (train.py's own defaults, 10 s, suit real clusters.)
+LOCAL_WORKER_FLAGS = {"heartbeat_s": 3, "collective_timeout_s": 2}
 
 OWN_FLAGS = ("processes", "devices_per_process", "kill", "max_relaunches", "hang_timeout_s")
 
@@ -117,7 +120,11 @@ class Job:
     def __init__(self, launch_dir: str, args: list[str], k: int, dpp: int, kills: dict[int, int]):
         self.launch_dir, self.k = launch_dir, k
         self.port = _free_port()
-        heartbeat = train._HEARTBEAT_S.value
+        heartbeat = (
+            train._HEARTBEAT_S.value
+            if flags.FLAGS["heartbeat_s"].present
+            else LOCAL_WORKER_FLAGS["heartbeat_s"]
+        )
         self.service = multihost.serve(self.port, k, heartbeat)
         self.workers: list[Worker] = []
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -261,6 +268,9 @@ def main(argv: list[str]) -> None:
     metrics = os.path.join(workdir, "metrics.jsonl")
     del argv  # absl leaves only the program name; the flags are read from sys.argv
     args = _passthrough(sys.argv)
+    for name, value in LOCAL_WORKER_FLAGS.items():
+        if not flags.FLAGS[name].present:
+            args.append(f"--{name}={value}")
     relaunches = 0
     watchers: list[threading.Thread] = []
     while True:

@@ -88,6 +88,11 @@ _STEPS = flags.DEFINE_integer("steps", None, "Training steps (default: config)."
 _WORKDIR = flags.DEFINE_string(
     "workdir", "runs/train", "Output directory (metrics.jsonl, summary.json, checkpoints/)."
 )
+_COMPILATION_CACHE = flags.DEFINE_bool(
+    "compilation_cache",
+    True,
+    "Keep compiled steps in WORKDIR/jax_cache, so a resume or relaunch skips compiling.",
+)
 _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices",
     8,
@@ -123,6 +128,12 @@ _COLLECTIVE_TIMEOUT_S = flags.DEFINE_integer(
     10,
     "CPU only: seconds before a collective with a dead peer fails (GPU ones are cancelled).",
     lower_bound=1,
+)
+_PRECOMPILE = flags.DEFINE_bool(
+    "precompile_failures",
+    False,
+    "Multi-process: compile, in the background, the step for every mesh one more process "
+    "failure would leave, so that a recovery does not compile.",
 )
 _STALL_AT_STEP = flags.DEFINE_integer(
     "stall_at_step",
@@ -176,6 +187,8 @@ def _multi_process() -> bool:
 def _start_jax(config: object) -> tuple[object, multihost.Executor | None]:
     """Start JAX (alone, or joined to a multi-process job) and build the run on its devices."""
     jax.config.update("jax_num_cpu_devices", _HOST_DEVICES.value)
+    if _COMPILATION_CACHE.value and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, "jax_cache"))
     if not _multi_process():
         return experiment.setup(config), None
     if not _DISTRIBUTED.value and None in (
@@ -205,7 +218,12 @@ def _start_jax(config: object) -> tuple[object, multihost.Executor | None]:
     def stalled() -> None:
         print(f"{KILL_POINT} {_STALL_AT_STEP.value}", flush=True)
 
-    return run, multihost.Executor(run.step, stall_at=_STALL_AT_STEP.value, on_stall=stalled)
+    return run, multihost.Executor(
+        run.step,
+        stall_at=_STALL_AT_STEP.value,
+        on_stall=stalled,
+        precompile=_PRECOMPILE.value,
+    )
 
 
 def _finish_multi_process(code: int) -> None:
@@ -324,6 +342,10 @@ def _train(run, failures, workdir, config, executor) -> int:
         sys.stderr.write(f"{prog}: {err}\n")
         return multihost.RELAUNCH_EXIT
     bar.close()
+    if executor is not None and jax.process_index() != min(
+        int(p) for p in multihost.groups_of_processes(run.step.mesh)
+    ):
+        return 0  # one process (the writer) reports
     g = summary["goodput"]
     print(
         f"done: step {summary['final_step']}, final loss {summary['final_loss']:.4f}, "

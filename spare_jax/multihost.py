@@ -37,14 +37,15 @@ The service and client-only start-up use JAX internals (``jax._src.distributed``
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import checks
@@ -239,51 +240,66 @@ class ProcessLost(Exception):
     Attributes:
         processes: the dead process ids.
         groups: the groups they held.
-        step: the `SpareStep` over the survivors' mesh.
+        step: the `SpareStep` over the survivors' mesh, compiled.
         state: the train state re-wrapped onto it.
         detected: wall-clock time of the detection.
+        rebuild_s: seconds to build the new mesh and re-wrap the state.
+        compile_s: seconds to compile the step for it (0 when precompiled).
     """
 
-    def __init__(self, processes, groups, step, state, detected):
+    def __init__(self, processes, groups, step, state, detected, rebuild_s, compile_s):
         self.processes, self.groups = sorted(processes), sorted(groups)
         self.step, self.state, self.detected = step, state, detected
+        self.rebuild_s, self.compile_s = rebuild_s, compile_s
         super().__init__(f"processes {self.processes} (groups {self.groups}) died")
 
 
-@dataclasses.dataclass
 class Executor:
     """Runs one step under ``live_devices`` and turns a lost process into `ProcessLost`.
 
-    Attributes:
+    Args:
         step: the step in force (replaced by the one in each `ProcessLost`).
-        stall_at: (step index) at which this process stops inside the step and
-            waits to be killed: the launcher's way to kill a worker mid-step.
-        on_stall: called when the stall begins (the launcher's kill signal).
+        stall_at: step index at which this process stops inside the step and
+            waits to be killed: how the launcher kills a worker mid-step.
+        on_stall: called when the stall begins (the launcher's cue to kill).
+        precompile: after the first step, compile in the background the step
+            for every mesh that one more process failure would leave, so a
+            recovery need not compile.
     """
 
-    step: step_lib.SpareStep
-    stall_at: int | None = None
-    on_stall: Any = None
-    _devices: list[jax.Device] = dataclasses.field(default_factory=list)
-    _owners: np.ndarray | None = None
-    _by_group: dict[int, list[jax.Device]] = dataclasses.field(default_factory=dict)
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        self._devices = list(self.step.mesh.devices.flat)
-        self._owners = groups_of_processes(self.step.mesh)
-        self._by_group = _group_devices(self.step.mesh)
+    def __init__(self, step, *, stall_at=None, on_stall=None, precompile=False):
+        self.step, self.stall_at, self.on_stall = step, stall_at, on_stall
+        self.index = 0
+        self._devices = list(step.mesh.devices.flat)
+        self._owners = groups_of_processes(step.mesh)
+        self._by_group = _group_devices(step.mesh)
+        self._precompile = precompile
+        self._ready: dict[tuple[int, ...], step_lib.SpareStep] = {}
+        self._thread: threading.Thread | None = None
 
     @property
     def live_groups(self) -> list[int]:
         return [int(g) for g in self.step.rows]
 
-    def __call__(self, state: Any, stacks: Any, table: Any) -> tuple[Any, dict]:
-        from jax.experimental.multihost_utils import (
-            ProcessFailureError,
-            live_devices,
-        )
+    def _survivors(self, live: Sequence[int], state: Any) -> tuple[step_lib.SpareStep, Any]:
+        mesh = survivors_mesh(self._by_group, live)
+        step = self._ready.get(tuple(live)) or self.step.on_mesh(mesh, np.asarray(live))
+        shardings = _on(step.mesh, jax.tree.map(lambda x: x.sharding, state))
+        return step, shardings
 
+    def _precompile_all(self, state: Any, stacks: Any) -> None:
+        """Compile the survivors' step for each single process failure (background thread)."""
+        me = jax.process_index()
+        for proc in sorted(set(self._owners[self.live_groups].tolist()) - {me}):
+            live = [g for g in self.live_groups if self._owners[g] != proc]
+            step, shardings = self._survivors(live, state)
+            abstract = jax.tree.map(
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings
+            )
+            step.precompile(abstract, stacks)
+            self._ready[tuple(live)] = step
+
+    def __call__(self, state: Any, stacks: Any, table: Any) -> tuple[Any, dict]:
         try:
             with live_devices(self._devices):
                 if self.stall_at is not None and self.index == self.stall_at:
@@ -293,19 +309,28 @@ class Executor:
                     time.sleep(3600.0)  # the launcher kills this process now
                 out = self.step.run(state, stacks, table)
                 jax.block_until_ready(out)
-            return out
         except ProcessFailureError as err:
             detected = time.time()
             dead_procs = sorted({d.process_index for d in err.failed_devices})
             dead_groups = [g for g in self.live_groups if self._owners[g] in dead_procs]
             live = [g for g in self.live_groups if g not in dead_groups]
-            mesh = survivors_mesh(self._by_group, live)
-            self._devices = list(mesh.devices.flat)
-            new_step = self.step.on_mesh(mesh, np.asarray(live))
-            shardings = _on(mesh, jax.tree.map(lambda x: x.sharding, state))
+            if self._thread is not None:
+                self._thread.join()  # finish (or use) what the background compile started
+            step, shardings = self._survivors(live, state)
             new_state = reshard(state, shardings)
-            self.step = new_step
-            raise ProcessLost(dead_procs, dead_groups, new_step, new_state, detected) from None
+            self._devices = list(step.mesh.devices.flat)
+            rebuilt = time.time()
+            compile_s = 0.0 if step.slot_bound in step._aot else step.precompile(new_state, stacks)
+            self.step, self._ready, self._thread = step, {}, None
+            raise ProcessLost(
+                dead_procs, dead_groups, step, new_state, detected, rebuilt - detected, compile_s
+            ) from None
+        if self._precompile and self._thread is None and not self._ready:
+            self._thread = threading.Thread(
+                target=self._precompile_all, args=(out[0], stacks), daemon=True
+            )
+            self._thread.start()
+        return out
 
 
 def kill_time(workdir: str, process: int) -> float | None:

@@ -17,8 +17,8 @@ atomically.
 `goodput` derives the time budget from the records alone, so it survives a
 killed process: the last record of each step is useful work (split into
 compute at the failure-free load and reordering overhead beyond it), every
-earlier record of the same step is lost work, and the checkpoint, rollback and
-resume events give the stalls and the recovery time.
+earlier record of the same step is lost work, and the checkpoint, rollback,
+resume, recovered and relaunch events give the stalls and the recovery time.
 """
 
 from __future__ import annotations
@@ -130,6 +130,8 @@ def goodput(records: Iterable[dict[str, Any]], microbatches: int) -> dict[str, f
         ``useful_s``, ``reordering_s``, ``checkpoint_s``, ``recovery_s``, ``lost_s``
         and their sum ``total_s``.
     """
+    records = list(records)
+    relaunched = {r.get("attempt") for r in records if r.get("event") == "relaunch"}
     last: dict[int, dict[str, Any]] = {}
     lost = checkpoint = recovery = 0.0
     for r in records:
@@ -140,10 +142,12 @@ def goodput(records: Iterable[dict[str, Any]], microbatches: int) -> dict[str, f
             last[r["step"]] = r
         elif event == "checkpoint":
             checkpoint += r.get("save_s", 0.0)
-        elif event in ("rollback", "resume"):
+        elif event == "rollback" or (event == "resume" and r.get("attempt") not in relaunched):
             recovery += r.get("restore_s", 0.0)
-        elif event in ("recovered", "relaunch"):
-            recovery += r.get("recovery_s", r.get("relaunch_s", 0.0))
+        elif event == "recovered":
+            recovery += r["recovery_s"]
+        elif event == "relaunch":  # its time includes the new job's restore
+            recovery += r["relaunch_s"]
     useful = reordering = 0.0
     for r in last.values():
         share = min(1.0, microbatches / max(r["max_load"], 1))

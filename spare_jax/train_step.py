@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -217,6 +218,7 @@ class SpareStep:
         self._group = mesh_lib.group_sharding(mesh)
         self._rep = mesh_lib.replicated(mesh)
         self._jitted: dict[int, Callable[..., Any]] = {}
+        self._aot: dict[int, Any] = {}  # ahead-of-time executables by slot bound
 
     # ------------------------------------------------------------------ state
 
@@ -368,6 +370,32 @@ class SpareStep:
             }
         return self._jitted[self.slot_bound]
 
+    def precompile(self, state: Any, stacks: Any) -> float:
+        """Compile the step ahead of time for inputs shaped like these; the seconds it took.
+
+        ``state`` may be arrays or ``jax.ShapeDtypeStruct`` s with shardings on
+        this mesh; ``stacks`` gives the per-group input's shape after the group
+        axis (leaves shaped ``[any, S, b, ...]``).
+        """
+        start = time.perf_counter()
+        group = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._group)
+        rep = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=self._rep)
+        rows, bound = int(self.rows.size), self.slot_bound
+        abstract_stacks = jax.tree.map(lambda x: group((rows, *x.shape[1:]), x.dtype), stacks)
+        table = slots.Slots(
+            index=group((rows, bound), np.int32),
+            weight=group((rows, bound), np.float32),
+            alive=group((rows,), np.float32),
+            denom=rep(np.float32),
+            n_slots=rep(np.int32),
+        )
+        abstract_state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
+        lowered = self._compiled(abstract_state).lower(abstract_state, abstract_stacks, table)
+        self._aot[bound] = lowered.compile()
+        return time.perf_counter() - start
+
     def run(self, state: TrainState, stacks: Any, table: slots.Slots) -> tuple[TrainState, dict]:
         """The jitted step on inputs already placed (`stacks`, `table`); donates ``state``.
 
@@ -376,6 +404,8 @@ class SpareStep:
         """
         self._check_loss(state, stacks)
         with jax.transfer_guard("disallow"):
+            if self.slot_bound in self._aot:
+                return self._aot[self.slot_bound](state, stacks, table)
             return self._compiled(state)(state, stacks, table)
 
     def __call__(

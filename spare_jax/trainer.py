@@ -261,8 +261,10 @@ class _Loop:
             groups=lost.groups,
             step=self.t,
             detect_s=round(lost.detected - origin, 6),
+            rebuild_s=round(lost.rebuild_s, 6),
+            compile_s=round(lost.compile_s, 6),
         )
-        self.recovering = {"origin": origin, "detected": lost.detected}
+        self.recovering = {"origin": origin, "detected": lost.detected, "resumed": time.time()}
         log.warning("process(es) %s died during step %d; %s", lost.processes, self.t, lost)
 
     def execute(self, table: Any, load: int) -> dict[str, Any]:
@@ -365,6 +367,7 @@ class _Loop:
                     live_groups=int(self.failures.alive.sum()),
                     recovery_s=round(now - self.recovering["origin"], 6),
                     since_detection_s=round(now - self.recovering["detected"], 6),
+                    first_step_s=round(now - self.recovering["resumed"], 6),
                     rolled_back=False,
                 )
                 self.recovering = None

@@ -6,7 +6,8 @@ import pathlib
 import ml_collections
 import pytest
 
-from spare_jax import trainer
+from spare_jax import experiment
+from spare_jax.scenario import Scenario
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
 
@@ -26,8 +27,10 @@ def test_config_loads(path):
         config = module.get_config(arg)
         assert isinstance(config, ml_collections.ConfigDict)
         if "model" in config and "strategy" in config:  # a training config
-            trainer.validate(config)
+            experiment.validate(config)
             assert len(config.mesh) == 3
+        if hasattr(module, "to_scenario"):  # a scenario config: a valid Scenario
+            assert isinstance(module.to_scenario(config), Scenario)
 
 
 def test_training_config_found_and_smoke_is_smaller():

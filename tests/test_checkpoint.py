@@ -1,0 +1,127 @@
+"""Checkpoints: Orbax saves at the policy's steps, restore skips junk, the interval is the model's."""
+
+import math
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spare_jax
+from spare_jax import analysis, checkpoint
+
+
+def _state():
+    mesh = spare_jax.make_mesh((2, 2, 2))
+    params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float32)}
+    step = spare_jax.make_train_step(
+        lambda p, x: ((x @ p["w"] + p["b"]) ** 2).mean(),
+        optax.adam(1e-2),
+        mesh,
+        param_specs={"w": jax.P(None, "model"), "b": jax.P()},
+    )
+    return step, params, step.init(params)
+
+
+def _ckpt(tmp_path, interval=2, extra=()):
+    policy = checkpoint.IntervalPolicy(interval=interval, extra=frozenset(extra))
+    return checkpoint.Checkpointer(str(tmp_path / "ckpt"), policy, keep=3)
+
+
+def test_policy_decides_and_latest_three_are_kept(tmp_path):
+    step, params, state = _state()
+    ckpt = _ckpt(tmp_path, interval=3, extra={4})
+    saved = [t for t in range(1, 13) if ckpt.save(t, state, {"step": t}) is not None]
+    ckpt.wait()
+    assert saved == [3, 4, 7, 10]  # every 3 steps since the last save, plus step 4
+    assert ckpt.steps() == [4, 7, 10]
+    restored = ckpt.restore_latest(step.abstract_state(params))
+    assert restored.step == 10 and restored.meta["step"] == 10
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get(restored.state), jax.device_get(state)
+    )
+    assert restored.state.params["w"].sharding.spec == jax.P(None, "model")
+    ckpt.close()
+
+
+def test_restore_skips_corrupt_and_foreign_and_wrong_checksum(tmp_path):
+    step, params, state = _state()
+    ckpt = _ckpt(tmp_path)
+    for t in (2, 4, 6):
+        ckpt.save(t, state, {"step": t})
+    ckpt.wait()
+    root = tmp_path / "ckpt"
+    # 6: data files truncated; 4: parameters intact but the record's checksum lies.
+    for f in (root / "6" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 16:
+            f.write_bytes(f.read_bytes()[:8])
+    meta = next((root / "4" / "meta").glob("metadata"))
+    meta.write_text(meta.read_text().replace('"param_checksum": ', '"param_checksum": 1'))
+    (root / "9").mkdir()  # a foreign directory with a step's name
+    restored = ckpt.restore_latest(step.abstract_state(params))
+    assert restored.step == 2
+    assert sorted(p.name.split("-")[0] for p in (root / "corrupt").iterdir()) == ["4", "6", "9"]
+    assert ckpt.steps() == [2]
+    ckpt.close()
+
+
+def test_no_usable_checkpoint_is_an_error_and_none_at_all_is_not(tmp_path):
+    step, params, state = _state()
+    ckpt = _ckpt(tmp_path)
+    assert ckpt.restore_latest(step.abstract_state(params)) is None
+    ckpt.save(2, state, {"step": 2})
+    ckpt.wait()
+    for f in (tmp_path / "ckpt" / "2").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"")
+    with pytest.raises(checkpoint.NoUsableCheckpoint, match="none of the 1 checkpoint"):
+        ckpt.restore_latest(step.abstract_state(params))
+    ckpt.close()
+
+
+def test_interval_is_the_analysis_optimum_in_steps():
+    model = checkpoint.IntervalModel(
+        strategy="spare",
+        redundancy=2,
+        microbatches=2,
+        policy="adaptive",
+        groups=16,
+        devices_per_group=2,
+        steps=100_000,
+        failure_rate=1e-3,
+        gpu_mtbf_hours=5.1e4,
+    )
+    steps, figures = model.interval(step_s=0.1, stall_s=0.5, save_s=2.0, restore_s=3.0)
+    scenario = model.scenario(0.1, 0.5, 2.0, 3.0)
+    assert scenario.group_mtbf_s == pytest.approx(100.0) and scenario.checkpoint_async
+    tau = analysis.time_to_train(scenario, "spare", redundancy=2, microbatches=2)
+    assert steps == round(tau.checkpoint_interval_s / 0.1)
+    assert figures["interval_s"] == tau.checkpoint_interval_s
+    assert figures["mtti_s"] == tau.mean_time_to_interruption_s
+    # A costlier save or a rarer failure moves the optimum the way Young's formula says.
+    slower, _ = model.interval(step_s=0.1, stall_s=2.0, save_s=8.0, restore_s=3.0)
+    assert slower > steps
+    assert 1 <= model.interval(0.1, 1e4, 1e4, 1e4)[0] <= 100_000  # clipped to the run
+
+
+def test_no_failure_rate_falls_back_to_the_gpu_mtbf():
+    model = checkpoint.IntervalModel(
+        strategy="dp",
+        redundancy=1,
+        microbatches=1,
+        policy="adaptive",
+        groups=4,
+        devices_per_group=2,
+        steps=50,
+        failure_rate=0.0,
+        gpu_mtbf_hours=5.1e4,
+    )
+    steps, figures = model.interval(0.05, 0.1, 0.1, 0.1)
+    assert steps == 50  # a 50-step run at the Llama 3 failure rate: save at the end only
+    assert math.isclose(figures["group_mtbf_s"], 5.1e4 * 3600 / 2)
+
+
+def test_param_checksum_is_the_float64_sum_of_squares():
+    params = {"a": np.full((3,), 2.0, np.float32), "b": [np.ones((2, 2), np.float32)]}
+    assert checkpoint.param_checksum(params) == pytest.approx(3 * 4.0 + 4 * 1.0)
