@@ -1,33 +1,53 @@
-"""Benchmark of the closed-form model at 600k GPUs (75,000 groups of 8).
+"""Benchmark of the closed-form model, by default at 600k GPUs (75,000 groups of 8).
 
-Prints medians over repeated runs:
+Prints medians over repeated runs (`timeit.repeat`):
 
-    python benchmarks/analysis.py [--repeats 5]
+    python benchmarks/analysis.py [--repeats 5] [--gpus 600000]
+    python benchmarks/analysis.py --quick        # optimiser search r 1..3 x m {1, 8}
     python benchmarks/analysis.py --validate     # overhead model vs exact loads (docs table)
 
-Targets (issue 4): one closed-form time-to-train evaluation in at most 10 ms;
-the optimiser in at most 5 s. "Cold" clears every cache first (survival
-curves, overhead tables, age-model bands); "warm" re-evaluates with the
-per-(G, r, m) tables already built, as the optimiser and a planning session do.
+Targets (the README's benchmark table): one closed-form time-to-train
+evaluation in at most 10 ms; the optimiser in at most 5 s. "Cold" clears every
+cache first (survival curves, overhead tables, age-model bands); "warm"
+re-evaluates with the per-(G, r, m) tables already built, as the optimiser and
+a planning session do.
 """
+
+from __future__ import annotations
 
 import math
 import statistics
-import time
+import timeit
 from collections.abc import Callable
 
 import numpy as np
-from absl import flags
+from absl import app, flags
 
-from spare_jax import analysis, cli, placement, reorder
-from spare_jax.analysis import endurance, overhead_model, planner, renewal
+from spare_jax import analysis, cli, placement, reorder, strategies
 from spare_jax.scenario import Scenario
 
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per measurement.")
+MAX_REPEATS = 1_000
+MAX_SAMPLES = 10_000
+
+_REPEATS = flags.DEFINE_integer(
+    "repeats",
+    5,
+    "Timed repetitions per measurement.",
+    lower_bound=1,
+    upper_bound=MAX_REPEATS,
+)
+_GPUS = flags.DEFINE_integer("gpus", 600_000, "GPUs of the benchmarked scenario (8 per group).")
+_QUICK = flags.DEFINE_bool("quick", False, "Narrow the optimiser's search to r 1..3, m 1 and 8.")
 _VALIDATE = flags.DEFINE_bool(
     "validate", False, "Print the overhead-model validation table instead."
 )
-_SAMPLES = flags.DEFINE_integer("samples", 60, "Random dead sets per validation cell.")
+_SAMPLES = flags.DEFINE_integer(
+    "samples",
+    60,
+    "Random dead sets per validation cell.",
+    lower_bound=1,
+    upper_bound=MAX_SAMPLES,
+)
 
 
 def validate(samples: int, seed: int = 0) -> None:
@@ -53,7 +73,7 @@ def validate(samples: int, seed: int = 0) -> None:
                         except reorder.Interruption:
                             continue
                     v = np.array(vals)
-                    model = analysis.overhead("adaptive", groups, r, m, k)
+                    model = analysis.overhead("spare", groups, r, m, k)
                     rel = model / v.mean() - 1
                     worst = max(worst, abs(rel))
                     print(
@@ -64,25 +84,14 @@ def validate(samples: int, seed: int = 0) -> None:
     print(f"\nlargest |relative error|: {100 * worst:.2f}% (includes Monte Carlo noise)")
 
 
-def clear_caches() -> None:
-    """Forget every cached table (the next evaluation pays the full cost)."""
-    endurance.log_survival_curve.cache_clear()
-    overhead_model._adaptive_table.cache_clear()
-    renewal._band.cache_clear()
-    planner._epoch.cache_clear()
-
-
 def median_s(fn: Callable[[], object], repeats: int, cold: bool) -> float:
-    """Median wall time of `fn`; `cold` clears the caches before each call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if cold:
-            clear_caches()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median wall time of one call of `fn`; `cold` clears the caches before each call."""
+    if cold:
+        return statistics.median(
+            timeit.repeat(fn, setup=analysis.clear_caches, repeat=repeats, number=1)
+        )
+    fn()  # builds the tables a warm measurement reuses
+    return statistics.median(timeit.repeat(fn, repeat=repeats, number=1))
 
 
 def main(argv: list[str]) -> None:
@@ -91,47 +100,57 @@ def main(argv: list[str]) -> None:
         validate(_SAMPLES.value)
         return
     n = _REPEATS.value
-    s = Scenario()
+    try:
+        s = Scenario(gpus=_GPUS.value)
+    except ValueError as error:
+        raise app.UsageError(f"--gpus: {error}") from None
+    r_spare, r_rep = min(3, s.groups), 2 if s.groups % 2 == 0 else 1
+    if _QUICK.value:
+        search = {"redundancies": (1, 2, 3), "microbatches": (1, 8)}
+    else:
+        search = {
+            "redundancies": analysis.DEFAULT_REDUNDANCIES,
+            "microbatches": analysis.DEFAULT_MICROBATCHES,
+        }
+    rs, ms = search["redundancies"], search["microbatches"]
+    space = f"r {min(rs)}..{max(rs)} x m {min(ms)}..{max(ms)}"
     rows = []
 
-    def ttt(tau=None):
+    def ttt(tau: float | None = None) -> Callable[[], object]:
         return lambda: analysis.time_to_train(
-            s, "spare", redundancy=3, microbatches=8, checkpoint_interval_s=tau
+            s, "spare", redundancy=r_spare, microbatches=8, checkpoint_interval_s=tau
         )
 
-    rows.append(
-        ("TTT, spare r=3 m=8, fixed interval, warm", median_s(ttt(7200.0), 5 * n, False), 0.010)
-    )
-    rows.append(
-        ("TTT, spare r=3 m=8, optimal interval, warm", median_s(ttt(), 5 * n, False), 0.010)
-    )
+    spare = f"spare r={r_spare} m=8"
+    rows.append((f"TTT, {spare}, fixed interval, warm", median_s(ttt(7200.0), 5 * n, False), 0.010))
+    rows.append((f"TTT, {spare}, optimal interval, warm", median_s(ttt(), 5 * n, False), 0.010))
+
+    def replication() -> object:
+        return analysis.time_to_train(s, "replication", redundancy=r_rep)
+
     rows.append(
         (
-            "TTT, replication r=2, optimal interval, warm",
-            median_s(lambda: analysis.time_to_train(s, "replication", redundancy=2), 5 * n, False),
+            f"TTT, replication r={r_rep}, optimal interval, warm",
+            median_s(replication, 5 * n, False),
             0.010,
         )
     )
-    rows.append(("TTT, spare r=3 m=8, cold (tables built)", median_s(ttt(), n, True), None))
+    rows.append((f"TTT, {spare}, cold (tables built)", median_s(ttt(), n, True), None))
     rows.append(
         (
-            "optimise spare adaptive (r 1..8 x m 1..16), cold",
-            median_s(lambda: analysis.optimise(s, "spare"), n, True),
+            f"optimise spare adaptive ({space}), cold",
+            median_s(lambda: analysis.optimise(s, "spare", **search), n, True),
             5.0,
         )
     )
 
-    def all_four():
-        for strategy, policy in (
-            ("checkpoint_restart", "adaptive"),
-            ("replication", "adaptive"),
-            ("spare", "fixed"),
-            ("spare", "adaptive"),
-        ):
-            analysis.optimise(s, strategy, policy=policy)
+    def all_four() -> None:
+        for v in strategies.VARIANTS:
+            analysis.optimise(s, v.strategy, policy=v.policy, **search)
 
     rows.append(("optimise all four strategies (plan.py), cold", median_s(all_four, n, True), None))
     width = max(len(r[0]) for r in rows)
+    print(f"scenario: {s.gpus:,} GPUs, {s.groups:,} groups; medians of timeit.repeat")
     print(f"{'measurement'.ljust(width)}  {'median':>10}  target")
     for name, value, target in rows:
         goal = (

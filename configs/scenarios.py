@@ -7,16 +7,18 @@ Usage with `experiments/plan.py`:
     --scenario=configs/scenarios.py:small      a quick 10k-GPU variant (tests, smoke)
     --scenario.gpus=300000                     override any field
 
-Fields mirror `spare_jax.scenario.Scenario`; `to_scenario(config)` converts.
-Sources (full table in /work/shared/PARAMETERS.md):
+Fields mirror `spare_jax.scenario.Scenario`; `to_scenario(config)` converts
+(through `Scenario.from_mapping`, as experiments/plan.py does). Sources (the
+full table is docs/design.md, section 12, Parameter sources):
 
 * gpus 600,000: the SPARe paper's largest scale (arXiv 2603.00357, abstract).
-* gpus_per_group 8: DESIGN.md section 3 (one 8-GPU node per replica group).
+* gpus_per_group 8: one 8-GPU node per replica group (docs/design.md, 2. Vocabulary).
 * gpu_mtbf_hours 5.1e4: derived from "The Llama 3 Herd of Models" (Meta, 2024):
     16,384 GPUs x 1,296 h / 419 unexpected interruptions.
 * failure_law exponential; weibull_shape 0.7: Schroeder & Gibson, DSN 2006
     (shape 0.7-0.8 commonly quoted; unverified).
-* work_hours 720: one month of failure-free compute (issue #4's reference run).
+* work_hours 720: one month of failure-free compute (the reference run of
+    docs/design.md, 9. Time-to-train model).
 * checkpoint_s 60: a 405B model + Adam state is ~6.5 TB, ~3 s at the Llama 3
     report's 2 TB/s if ideal; production saves are far slower (checkpointing
     costs 12% on average, Meta CPR analysis cited by Gemini, SOSP 2023): 60 s is
@@ -65,10 +67,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def to_scenario(config: ml_collections.ConfigDict) -> Scenario:
-    """A validated `Scenario` from a config (unknown fields raise ValueError)."""
-    fields = {f.name for f in dataclasses.fields(Scenario)}
-    values = dict(config.to_dict()) if hasattr(config, "to_dict") else dict(config)
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"unknown scenario field(s): {', '.join(unknown)}")
-    return Scenario(**values).validate()
+    """A validated `Scenario` from a config (unknown fields or bad values raise ValueError)."""
+    return Scenario.from_mapping(config.to_dict())

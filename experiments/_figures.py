@@ -2,6 +2,7 @@
 
 Plotting and file plumbing only: every number comes in as rows (lists of
 dicts) computed by reproduce.py; nothing here runs the model or the simulator.
+Every file is written whole through `cli.replace_file`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import matplotlib.ticker
+
+from spare_jax import cli
 
 Rows = list[dict]
 
@@ -32,7 +35,7 @@ WIDTHS = {"checkpoint/restart": 6.0, "replication": 3.5}
 
 def write_csv(path: str, rows: Rows) -> None:
     """Write `rows` (same keys in every row) as a CSV file with a header."""
-    with open(path, "w", newline="") as f:
+    with cli.replace_file(path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -59,7 +62,8 @@ def _figure(path: str, ax_setup: Callable, panels: int = 1) -> None:
         frameon=False,
     )
     fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
+    with cli.replace_file(path, "wb") as f:
+        fig.savefig(f, format="png", bbox_inches="tight")
     plt.close(fig)
 
 
@@ -426,5 +430,5 @@ def summary(out: str, header: str, parts: dict[str, Rows], gpus: int) -> None:
         ),
         "",
     ]
-    with open(os.path.join(out, "summary.md"), "w") as f:
+    with cli.replace_file(os.path.join(out, "summary.md")) as f:
         f.write("\n".join(text))

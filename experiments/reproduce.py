@@ -1,7 +1,13 @@
 """Reproduce the SPARe paper's results in our model: figures, CSV and a markdown table.
 
-    python experiments/reproduce.py --out docs/results          # full (about 4 min, 2 cores)
-    python experiments/reproduce.py --out /tmp/results --quick  # smoke variant (~10 s)
+    python experiments/reproduce.py                      # full, into runs/reproduce (~4 min)
+    python experiments/reproduce.py --quick              # smoke variant (~10 s)
+    python experiments/reproduce.py --out docs/results   # regenerate the committed results
+
+The default `--out` is `runs/reproduce`: regenerating docs/results, which
+docs/results.md quotes, is an explicit `--out docs/results`. The output
+directory is checked before any work, and each file is replaced whole (through
+a temporary file), so an interrupted run keeps the files it had finished.
 
 Every plan comes from `analysis.optimise` with the same search as
 experiments/plan.py: redundancy in `analysis.DEFAULT_REDUNDANCIES` (1..8;
@@ -39,49 +45,41 @@ import time
 import _figures  # experiments/ is on sys.path when this file runs as a script
 import numpy as np
 import tqdm
-from absl import app, flags
+from absl import flags
 
-from spare_jax import analysis, cli, sim
+from spare_jax import analysis, cli, sim, strategies
 from spare_jax.analysis import weights
 from spare_jax.scenario import Scenario
+from spare_jax.strategies import Variant
 
-OUT = flags.DEFINE_string("out", "docs/results", "output folder")
+MAX_REPLICAS = 1_000  # simulated runs per point: ~1 s each at 600k GPUs
+
+OUT = flags.DEFINE_string("out", "runs/reproduce", "output directory (docs/results: the docs)")
 QUICK = flags.DEFINE_bool("quick", False, "small, fast variant (smoke test)")
-REPLICAS = flags.DEFINE_integer("replicas", None, "simulated runs per point (default 8; quick 1)")
-SEED = flags.DEFINE_integer("seed", 0, "base seed, added to every per-point seed")
+REPLICAS = flags.DEFINE_integer(
+    "replicas",
+    None,
+    "simulated runs per point (default 8; quick 1)",
+    lower_bound=1,
+    upper_bound=MAX_REPLICAS,
+)
+SEED = flags.DEFINE_integer(
+    "seed", 0, "base seed (>= 0), added to every per-point seed", lower_bound=0
+)
 
 HOUR = 3600.0
 REDUNDANCIES = analysis.DEFAULT_REDUNDANCIES
 MICROBATCHES = analysis.DEFAULT_MICROBATCHES
-REFERENCE_M = 8  # DESIGN.md's reference micro-batch count (sensitivity and overhead figure)
+# The reference micro-batch count of docs/design.md (7. Computation overhead), for the
+# sensitivity cases and the overhead figure.
+REFERENCE_M = 8
 
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """One compared strategy: plan.py's row name, a label, and its search space."""
-
-    name: str
-    label: str
-    strategy: str
-    policy: str
-    redundancies: tuple[int, ...] = REDUNDANCIES
-
-
-# The rows of experiments/plan.py (same names), plus replication without r = 1.
-STRATEGIES = (
-    Strategy("checkpoint_restart", "checkpoint/restart", "checkpoint_restart", "adaptive"),
-    Strategy("replication", "replication", "replication", "adaptive"),
-    Strategy("spare_fixed", "SPARe fixed order", "spare", "fixed"),
-    Strategy("spare_adaptive", "SPARe adaptive", "spare", "adaptive"),
-)
-REPLICATION, SPARE = STRATEGIES[1], STRATEGIES[3]
-REPLICATION_R2 = Strategy(
-    "replication_r2",
-    "replication (r >= 2)",
-    "replication",
-    "adaptive",
-    tuple(r for r in REDUNDANCIES if r >= 2),
-)
+# The rows of experiments/plan.py (`strategies.VARIANTS`), plus replication without
+# r = 1 (its own search, `SEARCH`).
+VARIANTS = strategies.VARIANTS
+REPLICATION, SPARE = strategies.variant("replication"), strategies.variant("spare_adaptive")
+REPLICATION_R2 = Variant("replication_r2", "replication (r >= 2)", "replication", "adaptive")
+SEARCH = {REPLICATION_R2.name: tuple(r for r in REDUNDANCIES if r >= 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,16 +128,16 @@ def _scenario(settings: Settings, **changes) -> Scenario:
 
 def plan(
     scenario: Scenario,
-    s: Strategy,
+    v: Variant,
     redundancies: tuple[int, ...] | None = None,
     microbatches: tuple[int, ...] = MICROBATCHES,
 ) -> analysis.Plan:
-    """The closed-form optimum of `s` (plan.py's search unless narrowed)."""
+    """The closed-form optimum of `v` (plan.py's search unless narrowed)."""
     return analysis.optimise(
         scenario,
-        s.strategy,
-        policy=s.policy,
-        redundancies=s.redundancies if redundancies is None else redundancies,
+        v.strategy,
+        policy=v.policy,
+        redundancies=SEARCH.get(v.name, REDUNDANCIES) if redundancies is None else redundancies,
         microbatches=microbatches,
     )
 
@@ -157,19 +155,19 @@ def simulate(
         redundancy=p.redundancy,
         checkpoint_interval_s=p.checkpoint_interval_s,
         microbatches=p.microbatches,
-        policy=p.policy if p.strategy == "spare" else "adaptive",
+        policy=p.policy,
         layout=layout,
     )
 
 
-def run(scenario: Scenario, s: Strategy, settings: Settings, seed: int, **search) -> dict:
-    """Plan `s` on `scenario`, simulate the plan; one row."""
-    p = plan(scenario, s, **search)
+def run(scenario: Scenario, v: Variant, settings: Settings, seed: int, **search) -> dict:
+    """Plan `v` on `scenario`, simulate the plan; one row."""
+    p = plan(scenario, v, **search)
     summary = simulate(scenario, p, settings, seed)
     return {
         "gpus": scenario.gpus,
-        "name": s.name,
-        "label": s.label,
+        "name": v.name,
+        "label": v.label,
         "redundancy": p.redundancy,
         "microbatches": p.microbatches,
         "checkpoint_interval_s": p.checkpoint_interval_s,
@@ -220,9 +218,7 @@ def overhead_rows(settings: Settings) -> list[dict]:
                 seed=settings.seed + r,
             )
             mean, se = sim.ratio_mean(integral, length)
-            closed = float(
-                np.dot(w, analysis.overhead(policy if r > 1 else "dp", g, r, m, k)) / w.sum()
-            )
+            closed = float(np.dot(w, analysis.overhead(kind, g, r, m, k, policy=policy)) / w.sum())
             rows.append(
                 {
                     "strategy": f"spare {policy}",
@@ -277,17 +273,17 @@ def availability_rows(settings: Settings) -> list[dict]:
     scenario = _scenario(settings, gpus=settings.gpus[-1])
     rows = []
     for r in tqdm.tqdm(REDUNDANCIES, desc="availability vs r", leave=False):
-        for s in (SPARE, REPLICATION):
-            if not _fits(s.strategy, scenario.groups, r):
+        for v in (SPARE, REPLICATION):
+            if not _fits(v.strategy, scenario.groups, r):
                 continue
             if r == 1 and rows:  # checkpoint/restart: one run serves both series
-                rows.append(dict(rows[0], strategy=s.strategy))
+                rows.append(dict(rows[0], strategy=v.strategy))
                 continue
-            p = plan(scenario, s, redundancies=(r,))
+            p = plan(scenario, v, redundancies=(r,))
             summary = simulate(scenario, p, settings, seed=100 + r)
             rows.append(
                 {
-                    "strategy": s.strategy,
+                    "strategy": v.strategy,
                     "redundancy": r,
                     "microbatches": p.microbatches,
                     "checkpoint_interval_s": p.checkpoint_interval_s,
@@ -306,7 +302,7 @@ def time_to_train_rows(settings: Settings) -> list[dict]:
     rows = []
     for gpus in tqdm.tqdm(settings.gpus, desc="time-to-train vs GPUs", leave=False):
         scenario = _scenario(settings, gpus=gpus)
-        rows += [run(scenario, s, settings, seed=gpus) for s in (*STRATEGIES, REPLICATION_R2)]
+        rows += [run(scenario, v, settings, seed=gpus) for v in (*VARIANTS, REPLICATION_R2)]
     return rows
 
 
@@ -335,7 +331,7 @@ def reduction_rows(ttt: list[dict]) -> list[dict]:
 # name, Scenario changes, search narrowing (redundancies / microbatches for `plan`)
 SENSITIVITY = (
     ("baseline (plan.py's search)", {}, {}),
-    (f"m fixed at {REFERENCE_M} (DESIGN's reference)", {}, {"microbatches": (REFERENCE_M,)}),
+    (f"m fixed at {REFERENCE_M} (the design's reference)", {}, {"microbatches": (REFERENCE_M,)}),
     ("r at most 6", {}, {"redundancies": tuple(r for r in REDUNDANCIES if r <= 6)}),
     (
         f"r at most 6 and m = {REFERENCE_M}",
@@ -394,8 +390,8 @@ def domain_rows(settings: Settings) -> list[dict]:
         ("SPARe adaptive, cyclic", SPARE, "cyclic"),
         ("SPARe adaptive, strided", SPARE, "strided"),
     )
-    for i, (label, s, layout) in enumerate(tqdm.tqdm(cases, desc="failure domains", leave=False)):
-        p = plan(scenario, s)
+    for i, (label, v, layout) in enumerate(tqdm.tqdm(cases, desc="failure domains", leave=False)):
+        p = plan(scenario, v)
         summary = simulate(scenario, p, settings, 9_000 + i, layout)
         rows.append(
             {
@@ -415,11 +411,7 @@ def domain_rows(settings: Settings) -> list[dict]:
 def main(argv: list[str]) -> None:
     del argv
     settings = _settings(QUICK.value, REPLICAS.value, SEED.value)
-    out = OUT.value
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as error:
-        raise app.UsageError(f"cannot create --out={out}: {error.strerror}") from None
+    out = cli.output_dir("out", OUT.value)
     start = time.time()
     gpus = settings.gpus[-1]
     endurance_r = (2, 3, 4)
@@ -440,7 +432,7 @@ def main(argv: list[str]) -> None:
             "time_to_train",
             time_to_train_rows,
             lambda rows: _figures.time_to_train(
-                rows, out, [s.label for s in (*STRATEGIES, REPLICATION_R2)], settings.work_hours
+                rows, out, [v.label for v in (*VARIANTS, REPLICATION_R2)], settings.work_hours
             ),
         ),
         (

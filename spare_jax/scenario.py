@@ -2,7 +2,9 @@
 
 A scenario fixes the rules of the world that both the closed-form model
 (`spare_jax.analysis`) and the discrete-event simulator (`spare_jax.sim`)
-describe; the simulator plays them exactly, the model approximates them.
+describe; the simulator plays them exactly, the model approximates them. This
+module also owns the failure-law vocabulary (`FAILURE_LAWS`, `REPAIRS`) and the
+Weibull scale of a given mean, so that both tools parameterise a law alike.
 
 Rules of the world (one training run):
 
@@ -27,34 +29,61 @@ Rules of the world (one training run):
       makes no progress; an async save (`checkpoint_async=True`) keeps training
       and stalls only `checkpoint_async_stall_s`. A save counts once complete.
 6. Time-to-train is the wall time until the progress reaches `work_hours`.
+
+Every field is checked when a `Scenario` is built (finite, in range, known
+names), so the library and the binaries refuse the same values with the same
+message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["Scenario"]
+from spare_jax import checks
+
+__all__ = ["FAILURE_LAWS", "MAX_GROUPS", "REPAIRS", "WEIBULL_SHAPES", "Scenario", "weibull_scale"]
+
+FAILURE_LAWS: tuple[str, ...] = ("exponential", "weibull")
+REPAIRS: tuple[str, ...] = ("restart", "hot")
+# The largest cluster the tools are sized for: at 10^6 groups a whole plan
+# (experiments/plan.py) takes about 25 s on 2 cores; at 10^7 groups one
+# time-to-train evaluation alone takes about 30 s, and the plan several minutes.
+MAX_GROUPS = 1_000_000
+# Weibull shapes the tools evaluate (gamma(1 + 1/shape) overflows below about 0.006).
+WEIBULL_SHAPES: tuple[float, float] = (0.1, 10.0)
+
+
+def weibull_scale(mean: float, shape: float) -> float:
+    """Weibull scale parameter giving mean `mean` at shape `shape`."""
+    return mean / math.gamma(1.0 + 1.0 / shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-    """Cluster, failure law and costs. Defaults: 600k GPUs, sourced below."""
+    """Cluster, failure law and costs. Defaults: 600k GPUs, sourced below.
 
-    # DESIGN.md section 3: the paper's largest scale is 600k GPUs; 8 GPUs per group.
+    Sources are those of docs/design.md, section 12 (Parameter sources).
+    """
+
+    # The SPARe paper's largest scale is 600k GPUs (Lee et al., arXiv 2603.00357);
+    # 8 GPUs per group (one 8-GPU node per replica group).
     gpus: int = 600_000
     gpus_per_group: int = 8
     # Derived from "The Llama 3 Herd of Models" (Meta, 2024): 16,384 GPUs x 1,296 h
-    # / 419 unexpected interruptions ~ 5.1e4 GPU-hours (PARAMETERS.md).
+    # / 419 unexpected interruptions ~ 5.1e4 GPU-hours.
     gpu_mtbf_hours: float = 5.1e4
     # "exponential" or "weibull". Weibull shape 0.7 is the commonly quoted value
-    # from Schroeder & Gibson, DSN 2006 (unverified, PARAMETERS.md).
+    # from Schroeder & Gibson, DSN 2006 (unverified).
     failure_law: str = "exponential"
     weibull_shape: float = 0.7
     # Failure domains: 0 disables. Proxy: switch/cable faults were 8.4% of Llama 3
     # interruptions (Llama 3 report); no clean correlated fraction is published.
     domain_groups: int = 0
     domain_failure_fraction: float = 0.0
-    # Failure-free compute: one month (the issue's reference run).
+    # Failure-free compute: one month, the reference run of docs/design.md section 9.
     work_hours: float = 720.0
     # Checkpoint save. 405B + Adam ~6.5 TB at 2 TB/s is ~3 s if ideal (derived from
     # the Llama 3 report); production saves are far slower (checkpoint overhead 12%
@@ -78,6 +107,22 @@ class Scenario:
     # published figure for this cost was found, so it is a sweep parameter).
     microbatch_overhead: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Scenario:
+        """A `Scenario` from field names and values (a config's `to_dict()`, flags).
+
+        Raises:
+            ValueError: an unknown field name, or a value the fields refuse.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(f"unknown scenario field(s): {', '.join(unknown)}")
+        return cls(**values)
+
     @property
     def groups(self) -> int:
         return self.gpus // self.gpus_per_group
@@ -91,39 +136,45 @@ class Scenario:
         """Global restart cost R(N) at this scenario's GPU count."""
         return self.restart_s_ref * (self.gpus / self.restart_ref_gpus) ** self.restart_exponent
 
-    def validate(self) -> "Scenario":
-        """Raise ValueError naming the first bad field; return self when valid."""
-        positive = (
-            "gpus",
-            "gpus_per_group",
-            "gpu_mtbf_hours",
-            "weibull_shape",
-            "work_hours",
-            "restart_ref_gpus",
-            "mttr_hours",
-        )
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+    def validate(self) -> Scenario:
+        """Raise ValueError naming the first bad field; return self when valid.
+
+        Runs when the scenario is built; kept public so callers can re-check.
+        """
+        for name in ("gpus", "gpus_per_group", "restart_ref_gpus"):
+            checks.integer(name, getattr(self, name), low=1)
+        checks.integer("domain_groups", self.domain_groups, low=0)
+        for name in ("gpu_mtbf_hours", "work_hours", "mttr_hours"):
+            checks.number(name, getattr(self, name), low=0.0, low_open=True)
         for name in (
             "checkpoint_s",
             "checkpoint_async_stall_s",
             "restart_s_ref",
             "restart_exponent",
-            "domain_groups",
             "domain_failure_fraction",
             "microbatch_overhead",
         ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            checks.number(name, getattr(self, name), low=0.0)
+        lo, hi = WEIBULL_SHAPES
+        checks.number("weibull_shape", self.weibull_shape, low=lo, high=hi)
+        checks.choice("failure_law", self.failure_law, FAILURE_LAWS)
+        checks.choice("repair", self.repair, REPAIRS)
+        if not isinstance(self.checkpoint_async, bool):
+            raise ValueError(f"checkpoint_async must be a bool, got {self.checkpoint_async!r}")
         if self.gpus % self.gpus_per_group:
             raise ValueError(
                 f"gpus={self.gpus} must be a multiple of gpus_per_group={self.gpus_per_group}"
             )
-        if self.failure_law not in ("exponential", "weibull"):
+        if self.groups > MAX_GROUPS:
             raise ValueError(
-                f"failure_law must be 'exponential' or 'weibull', got {self.failure_law!r}"
+                f"groups (gpus / gpus_per_group) must be <= {MAX_GROUPS:,}, got {self.groups:,}: "
+                "the planner and simulator are sized for it (a plan at 10^6 groups takes "
+                "about 25 s; at 10^7, minutes)"
             )
-        if self.repair not in ("restart", "hot"):
-            raise ValueError(f"repair must be 'restart' or 'hot', got {self.repair!r}")
+        checks.number("group_mtbf_s (gpu_mtbf_hours * 3600 / gpus_per_group)", self.group_mtbf_s)
+        try:
+            restart = self.restart_seconds()
+        except OverflowError:
+            restart = math.inf
+        checks.number("restart_seconds() (restart_s_ref and its growth to gpus)", restart)
         return self

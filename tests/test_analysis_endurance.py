@@ -6,15 +6,17 @@ import fractions
 import itertools
 import math
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from spare_jax import analysis
 from spare_jax.analysis import endurance, weights
 
 
 def _exact_stacking(groups: int, r: int, f: int) -> float:
-    """DESIGN.md's formula with exact integers: G/(G-f) [x^f] (1+...+x^(r-1))^(G-f) / C(G, f)."""
+    """docs/design.md section 6, exactly: G/(G-f) [x^f] (1+...+x^(r-1))^(G-f) / C(G, f)."""
     n = groups - f
     poly = [1]
     for _ in range(n):
@@ -102,7 +104,7 @@ def test_design_reference_values():
     "pairs, published", [(1, 3.0), (2, 3.667), (10, 6.675), (100, 18.75), (1000, 57.06)]
 )
 def test_published_pair_values_any_convention(pairs, published):
-    """Casanova et al. 2012 (PARAMETERS.md); counts include the interrupting failure."""
+    """Casanova, Robert, Vivien, Zaidouni 2012 (INRIA RR-7951); counts include the last failure."""
     got = analysis.endurable_failures("replication", 2 * pairs, 2, convention="any")
     assert got == pytest.approx(published, abs=6e-3 * max(1.0, published / 10))
 
@@ -189,16 +191,67 @@ def test_hot_repair_extends_time_to_interruption():
 
 
 @pytest.mark.parametrize(
-    "bad",
+    "bad, name",
     [
-        {"strategy": "nope"},
-        {"groups": 0},
-        {"redundancy": 0},
-        {"groups": 3, "redundancy": 4},
-        {"strategy": "replication", "groups": 10, "redundancy": 3},
+        ({"strategy": "nope"}, "strategy"),
+        ({"strategy": None}, "strategy"),
+        ({"groups": 0}, "groups"),
+        ({"groups": 10.0}, "groups"),
+        ({"groups": True}, "groups"),
+        ({"groups": 10**8}, "groups"),
+        ({"redundancy": 0}, "redundancy"),
+        ({"redundancy": 2.7}, "redundancy"),
+        ({"groups": 3, "redundancy": 4}, "redundancy"),
+        ({"groups": 100, "redundancy": 64}, "redundancy"),
+        ({"strategy": "replication", "groups": 10, "redundancy": 3}, "divisible"),
+        ({"strategy": "dp", "redundancy": 2}, "redundancy 1"),
     ],
 )
-def test_rejects_bad_input(bad):
+def test_rejects_bad_input(bad, name):
     args = {"strategy": "spare", "groups": 10, "redundancy": 2} | bad
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=name):
         analysis.endurable_failures(args["strategy"], args["groups"], args["redundancy"])
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: analysis.survival("spare", 10, 2, [1.5]), "failures"),
+        (lambda: analysis.survival("spare", 10, 2, [-1]), "failures"),
+        (lambda: analysis.survival("spare", 10, 2, [True]), "failures"),
+        (lambda: analysis.survival("spare", 10, 2, [1], convention="some"), "convention"),
+        (lambda: analysis.survival("spare", 600, 2, [10**8], convention="any"), "failures"),
+        (lambda: analysis.endurable_failures("spare", 10, 2, convention="x"), "convention"),
+        (lambda: analysis.mean_time_to_interruption("spare", 10, 2, 0.0), "group_mtbf_s"),
+        (lambda: analysis.mean_time_to_interruption("spare", 10, 2, math.nan), "group_mtbf_s"),
+        (lambda: analysis.mean_time_to_interruption("spare", 10, 2, math.inf), "group_mtbf_s"),
+        (lambda: analysis.mean_time_to_interruption("spare", 10, 2, 1.0, law="x"), "law"),
+        (
+            lambda: analysis.mean_time_to_interruption(
+                "spare", 10, 2, 1.0, law="weibull", weibull_shape=0.0
+            ),
+            "weibull_shape",
+        ),
+        (lambda: weights.time_in_state("spare", 10, 2, 1.0, mttr_s=-1.0), "mttr_s"),
+    ],
+)
+def test_functions_reject_bad_arguments(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    strategy=st.sampled_from(["spare", "replication", "cyclic", "strided"]),
+    groups=st.integers(1, 400),
+    r=st.integers(1, 6),
+)
+def test_survival_is_a_tail_probability(strategy, groups, r):
+    """1 for fewer than r failures, non-increasing, in [0, 1], summing to E[F] >= r."""
+    hypothesis.assume(r <= groups and (strategy != "replication" or groups % r == 0))
+    f = np.arange(groups + 2)
+    p = analysis.survival(strategy, groups, r, f)
+    assert np.all((p >= 0) & (p <= 1)) and np.all(np.diff(p) <= 1e-12)
+    np.testing.assert_array_equal(p[: min(r, groups + 1)], 1.0)
+    mean = analysis.endurable_failures(strategy, groups, r)
+    assert mean == pytest.approx(p.sum(), rel=1e-9) and mean >= min(r, groups)

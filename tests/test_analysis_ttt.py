@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from spare_jax import analysis, placement, reorder
-from spare_jax.analysis import checkpointing
+from spare_jax.analysis import checkpointing, planner
 from spare_jax.incremental import LoadTracker
 from spare_jax.scenario import Scenario
 
@@ -20,13 +22,22 @@ MIN, HOUR = 60.0, 3600.0
     "m_min, daly_min, young_min", [(24 * 60, 117, 120), (6 * 60, 57, 60), (15, 9.1, 12.2)]
 )
 def test_daly_worked_values(m_min, daly_min, young_min):
-    """Daly 2006's worked examples (PARAMETERS.md): C = 5 min."""
+    """Daly's worked examples (Daly, FGCS 2006): C = 5 min."""
     assert analysis.young(5 * MIN, m_min * MIN) / MIN == pytest.approx(young_min, abs=0.06)
     assert analysis.daly(5 * MIN, m_min * MIN) / MIN == pytest.approx(daly_min, abs=0.35)
 
 
 def test_daly_large_checkpoint_cost():
     assert analysis.daly(10.0, 4.0) == 4.0
+
+
+@pytest.mark.parametrize("fn", [analysis.young, analysis.daly, analysis.exact_optimum])
+@pytest.mark.parametrize(
+    "c, m", [(math.nan, 60.0), (-1.0, 60.0), (60.0, 0.0), (60.0, math.inf), (math.inf, 1.0)]
+)
+def test_intervals_refuse_bad_costs(fn, c, m):
+    with pytest.raises(ValueError, match="C|M"):
+        fn(c, m)
 
 
 @pytest.mark.parametrize("c, m", [(60.0, 3600.0), (300.0, 86400.0), (60.0, 306.0), (600.0, 100.0)])
@@ -67,7 +78,7 @@ def test_default_scenario_is_finite_and_ordered():
         assert math.isfinite(e.time_to_train_s) and 0 < e.availability <= 1
         assert e.effective_ratio == pytest.approx(s.work_hours * HOUR / e.time_to_train_s)
         assert e.time_to_train_s > s.work_hours * HOUR
-    # DESIGN.md section 3: a failure every ~5 min; replication r=2 interrupted about every 29 h.
+    # docs/design.md section 1: a failure every ~5 min; replication r=2 interrupted every ~29 h.
     assert cr.mean_time_to_interruption_s == pytest.approx(306.0, rel=1e-9)
     assert rep.mean_time_to_interruption_s / HOUR == pytest.approx(29.0, rel=0.05)
     assert cr.time_to_train_s > 10 * rep.time_to_train_s
@@ -118,27 +129,114 @@ def test_optimiser_picks_the_best_candidate():
     assert (plan.redundancy, plan.microbatches) == best[1:]
     assert plan.estimate.time_to_train_s == pytest.approx(best[0])
     rep = analysis.optimise(s, "replication", redundancies=(1, 2, 3, 7))
-    assert rep.microbatches == 1 and s.groups % rep.redundancy == 0 and rep.policy == "replication"
+    assert (
+        rep.microbatches == 1 and s.groups % rep.redundancy == 0 and rep.strategy == "replication"
+    )
     cr = analysis.optimise(s, "checkpoint_restart")
     assert cr.redundancy == 1
 
 
 @pytest.mark.parametrize(
-    "bad",
+    "bad, name",
     [
-        {"strategy": "nope"},
-        {"strategy": "spare", "policy": "nope"},
-        {"strategy": "checkpoint_restart", "redundancy": 2},
-        {"strategy": "spare", "redundancy": 0},
-        {"strategy": "spare", "redundancy": 3, "checkpoint_interval_s": -1.0},
-        {"strategy": "replication", "redundancy": 7},
+        ({"strategy": "nope"}, "strategy"),
+        ({"strategy": "spare", "policy": "nope"}, "policy"),
+        ({"strategy": "spare", "policy": "drop"}, "policy"),
+        ({"strategy": "checkpoint_restart", "redundancy": 2}, "redundancy 1"),
+        ({"strategy": "spare", "redundancy": 0}, "redundancy"),
+        ({"strategy": "spare", "redundancy": 2.7}, "redundancy"),
+        ({"strategy": "spare", "microbatches": 0}, "microbatches"),
+        ({"strategy": "spare", "redundancy": 8, "microbatches": 64}, "microbatches"),
+        ({"strategy": "spare", "redundancy": 3, "checkpoint_interval_s": -1.0}, "interval"),
+        ({"strategy": "spare", "redundancy": 3, "checkpoint_interval_s": math.nan}, "interval"),
+        ({"strategy": "replication", "redundancy": 7}, "divisible"),
     ],
 )
-def test_rejects_bad_input(bad):
+def test_rejects_bad_input(bad, name):
     args = dict(bad)
     strategy = args.pop("strategy")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=name):
         analysis.time_to_train(Scenario(gpus=80_000), strategy, **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"redundancies": [2.7]}, "redundancies"),
+        ({"redundancies": [0, 2]}, "redundancies"),
+        ({"redundancies": []}, "at least one"),
+        ({"microbatches": [8.0]}, "microbatches"),
+        ({"microbatches": [-1]}, "microbatches"),
+        ({"redundancies": [64]}, "redundancy"),
+        ({"redundancies": [2, 3, 4], "microbatches": [8, 128]}, "microbatches"),
+        ({"policy": "replication"}, "policy"),
+    ],
+)
+def test_optimise_refuses_bad_candidates_before_any_work(kwargs, name):
+    analysis.clear_caches()
+    with pytest.raises(ValueError, match=name):
+        analysis.optimise(Scenario(gpus=80_000), "spare", **kwargs)
+    assert planner._epoch.cache_info().currsize == 0  # nothing was evaluated
+
+
+def test_checkpoint_restart_is_an_alias_of_dp():
+    s = Scenario(gpus=80_000, work_hours=100.0)
+    assert analysis.time_to_train(s, "dp") == analysis.time_to_train(s, "checkpoint_restart")
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "gpu_mtbf_hours",
+        "work_hours",
+        "checkpoint_s",
+        "checkpoint_async_stall_s",
+        "restart_s_ref",
+        "restart_exponent",
+        "mttr_hours",
+        "domain_failure_fraction",
+        "microbatch_overhead",
+        "weibull_shape",
+    ],
+)
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(
+    value=st.sampled_from([math.nan, math.inf, -math.inf, -1.0]) | st.floats(max_value=-1e-9)
+)
+def test_scenario_refuses_non_finite_and_negative_numbers(field, value):
+    with pytest.raises(ValueError, match=field):
+        Scenario(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "changes, name",
+    [
+        ({"gpus": 0}, "gpus"),
+        ({"gpus": 6e5}, "gpus"),
+        ({"gpus": True}, "gpus"),
+        ({"gpus": 10**12}, "groups"),
+        ({"gpus_per_group": 7}, "multiple"),
+        ({"restart_ref_gpus": 0}, "restart_ref_gpus"),
+        ({"domain_groups": -1}, "domain_groups"),
+        ({"failure_law": "gamma"}, "failure_law"),
+        ({"repair": "never"}, "repair"),
+        ({"checkpoint_async": 1}, "checkpoint_async"),
+        ({"weibull_shape": 100.0}, "weibull_shape"),
+        ({"restart_exponent": 1e6}, "restart_seconds"),
+        ({"gpu_mtbf_hours": 1e307}, "group_mtbf_s"),
+    ],
+)
+def test_scenario_refuses_bad_fields(changes, name):
+    with pytest.raises(ValueError, match=name):
+        Scenario(**changes)
+    with pytest.raises(ValueError, match=name):
+        dataclasses.replace(Scenario(), **changes)
+
+
+def test_scenario_from_mapping():
+    assert Scenario.from_mapping({"gpus": 80_000}) == Scenario(gpus=80_000)
+    with pytest.raises(ValueError, match="unknown scenario field"):
+        Scenario.from_mapping({"gpus": 80_000, "nonsense": 1})
 
 
 def _simulate(
@@ -181,7 +279,7 @@ def _simulate(
 
 @pytest.mark.parametrize("strategy, r, m", [("spare", 3, 4), ("replication", 2, 1)])
 def test_time_to_train_against_own_monte_carlo(strategy, r, m):
-    """Small cluster, several interruptions per run: the closed form within 2.5% (issue: 5%)."""
+    """Small cluster, several interruptions per run: the closed form within 2.5% (target: 5%)."""
     s = Scenario(
         gpus=8_000,
         gpu_mtbf_hours=1_000.0,

@@ -1,4 +1,4 @@
-"""experiments/plan.py: table, JSON and exit status 2 on bad input; configs/scenarios.py loads."""
+"""experiments/plan.py: table and valid JSON; configs/scenarios.py loads (bad input elsewhere)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _configs():
 def test_json_default_scenario():
     out = _run("--json")
     assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+    data = _strict_json(out.stdout)
     names = [s["name"] for s in data["strategies"]]
     assert names == ["checkpoint_restart", "replication", "spare_fixed", "spare_adaptive"]
     for s in data["strategies"]:
@@ -64,9 +64,18 @@ def test_json_default_scenario():
     )
 
 
+def _strict_json(text: str) -> dict:
+    """json.loads that refuses NaN and Infinity (not JSON, though Python writes them)."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_table_and_overrides():
     out = _run(
-        "--gpus", "80000", "--checkpoint_s", "120", "--restart_s", "900", "--redundancies", "1,2,3"
+        "--gpus", "80000", "--checkpoint_s", "120", "--restart_s", "900", "--redundancy", "1,2,3"
     )
     assert out.returncode == 0, out.stderr
     assert (
@@ -74,41 +83,30 @@ def test_table_and_overrides():
         and "checkpoint 120 s" in out.stdout
         and "restart 900 s" in out.stdout
     )
-    lines = [
-        line
-        for line in out.stdout.splitlines()
-        if line.startswith(("checkpoint_restart", "spare_"))
-    ]
-    assert len(lines) == 3
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[4:8]}
+    assert set(rows) == {"checkpoint_restart", "replication", "spare_fixed", "spare_adaptive"}
+    assert all(int(row[1]) <= 3 for row in rows.values())
 
 
-def test_scenario_config_flag():
+def test_scenario_config_flag_and_deprecated_list_flag():
     out = _run("--scenario=configs/scenarios.py:small", "--json", "--redundancies", "1,2")
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["scenario"]["gpus"] == 10_000
+    data = _strict_json(out.stdout)
+    assert data["scenario"]["gpus"] == 10_000
+    assert {s["redundancy"] for s in data["strategies"]} <= {1, 2}
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("--gpus", "-5"),
-        ("--gpus", "0"),
-        ("--gpus_per_group", "0"),
-        ("--checkpoint_s", "-1"),
-        ("--gpu_mtbf_hours", "0"),
-        ("--gpus", "16", "--redundancies", "3"),
-        ("--redundancies", "0"),
-        ("--failure_law", "gamma"),
-        ("--gpus", "100"),
-        ("--bogus", "1"),
-        ("--microbatches", "x"),
-    ],
-)
-def test_bad_values_exit_2_with_one_line(args):
-    out = _run(*args)
-    assert out.returncode == 2
-    assert out.stdout == ""
-    assert len(out.stderr.strip().splitlines()) == 1
+def test_json_is_valid_when_a_result_is_infinite():
+    """Checkpoint/restart never finishes here: its figures are null, not Infinity or NaN."""
+    out = _run(
+        "--gpus", "80000", "--gpu_mtbf_hours", "10", "--redundancy", "1,2", "--microbatches", "1",
+        "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    by = {row["name"]: row for row in _strict_json(out.stdout)["strategies"]}
+    assert by["checkpoint_restart"]["time_to_train_days"] is None
+    assert by["checkpoint_restart"]["reduction_vs_replication"] is None
+    assert by["replication"]["time_to_train_days"] > 0
 
 
 @pytest.mark.parametrize("variant", [None, "llama3", "small"])
@@ -122,10 +120,14 @@ def test_every_scenario_config_loads(variant):
 
 def test_unknown_config_variant_and_field():
     module = _configs()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown scenario"):
         module.get_config("huge")
     config = module.get_config()
-    config.unlock() if hasattr(config, "unlock") else None
+    config.unlock()
     config.nonsense = 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown scenario field"):
+        module.to_scenario(config)
+    config = module.get_config()
+    config.gpus = -8
+    with pytest.raises(ValueError, match="gpus"):
         module.to_scenario(config)

@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from spare_jax import placement, reorder, sim
-from spare_jax.scenario import Scenario
+from spare_jax import placement, reorder, sim, strategies
+from spare_jax.scenario import Scenario, weibull_scale
+from spare_jax.sim.hot import _Load
 
 HOUR = 3600.0
 
@@ -79,20 +80,51 @@ def test_time_to_interruption_dp_and_weibull_means():
     t = sim.time_to_interruption(
         "dp", g, 1, mtbf, trials=20_000, seed=7, law="weibull", weibull_shape=k
     )
-    scale = sim.failures.weibull_scale(mtbf, k)
+    scale = weibull_scale(mtbf, k)
     exact = scale * g ** (-1 / k) * math.gamma(1 + 1 / k)  # min of g Weibulls
     assert abs(t.mean() / exact - 1) < 0.05  # stderr ~1.1%
 
 
-def test_bad_arguments():
-    with pytest.raises(ValueError):
-        sim.failures_to_interruption("spare", 10, 2, trials=0)
-    with pytest.raises(ValueError):
-        sim.failures_to_interruption("spare", 10, 2, trials=5, convention="some")
-    with pytest.raises(ValueError):
-        sim.failures_to_interruption("nope", 10, 2, trials=5)
-    with pytest.raises(ValueError):
-        sim.time_to_interruption("spare", 10, 2, 100.0, trials=5, law="lognormal")
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: sim.failures_to_interruption("spare", 10, 2, trials=0), "trials"),
+        (lambda: sim.failures_to_interruption("spare", 10, 2, trials=2.5), "trials"),
+        (lambda: sim.failures_to_interruption("spare", 10, 2, trials=5, seed=-1), "seed"),
+        (lambda: sim.failures_to_interruption("spare", 10, 2, trials=5, convention="x"), "conv"),
+        (lambda: sim.failures_to_interruption("nope", 10, 2, trials=5), "strategy"),
+        (lambda: sim.failures_to_interruption("spare", 10, 11, trials=5), "redundancy"),
+        (lambda: sim.failures_to_interruption("spare", 10**8, 2, trials=1), "groups"),
+        (lambda: sim.time_to_interruption("spare", 10, 2, 100.0, trials=5, law="x"), "law"),
+        (lambda: sim.time_to_interruption("spare", 10, 2, math.nan, trials=5), "mtbf"),
+        (lambda: sim.time_to_interruption("spare", 10, 2, -1.0, trials=5), "mtbf"),
+        (lambda: sim.epoch_overhead("spare", 10, 2, 0, trials=5), "microbatches"),
+        (lambda: sim.epoch_overhead("spare", 10, 2, 8, trials=5, policy="drop"), "policy"),
+        (lambda: sim.ratio_mean(np.ones(3), np.ones(2)), "shape"),
+        (lambda: sim.simulate_many(_small(), "spare", replicas=0), "replicas"),
+        (lambda: sim.simulate_many(_small(), "spare", replicas=2, seed=-3), "seed"),
+    ],
+)
+def test_monte_carlo_rejects_bad_arguments(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+@pytest.mark.parametrize(
+    "times, groups, name",
+    [
+        ([1.0, math.nan], [0, 1], "finite"),
+        ([-1.0], [0], "finite"),
+        ([1.0], [12], "group ids"),
+        ([1.0], [-1], "group ids"),
+        ([1.0], [0.5], "integer"),
+        ([1.0, 2.0], [0], "equal length"),
+    ],
+)
+def test_trace_is_validated(times, groups, name):
+    trace = (np.array(times), np.array(groups))
+    with pytest.raises(ValueError, match=name):
+        sim.simulate(_small(), "spare", redundancy=2, checkpoint_interval_s=HOUR, trace=trace)
 
 
 # ------------------------------------------------------------ checkpoint arithmetic
@@ -116,17 +148,16 @@ def test_checkpointing_arithmetic():
 
 
 def _small(**kw) -> Scenario:
-    base = dict(
-        gpus=96,
-        gpus_per_group=8,
-        work_hours=10.0,
-        checkpoint_s=60.0,
-        restart_s_ref=600.0,
-        restart_ref_gpus=96,
-        restart_exponent=1.0,
-    )
-    base.update(kw)
-    return Scenario(**base)
+    base = {
+        "gpus": 96,
+        "gpus_per_group": 8,
+        "work_hours": 10.0,
+        "checkpoint_s": 60.0,
+        "restart_s_ref": 600.0,
+        "restart_ref_gpus": 96,
+        "restart_exponent": 1.0,
+    }
+    return Scenario(**(base | kw))
 
 
 NO_FAILURES = (np.zeros(0), np.zeros(0, np.int64))
@@ -198,7 +229,10 @@ def _reference(
     Durations are whole numbers of ticks so the schedule does not drift; a failure
     inside a tick takes effect at the tick's start.
     """
-    ticks = lambda x: int(round(x / dt))  # noqa: E731
+
+    def ticks(x: float) -> int:
+        return round(x / dt)
+
     work, restart, tau_t = scenario.work_hours * HOUR, ticks(scenario.restart_seconds()), ticks(tau)
     stall = ticks(
         scenario.checkpoint_async_stall_s if scenario.checkpoint_async else scenario.checkpoint_s
@@ -262,8 +296,7 @@ def test_engine_matches_tick_reference(strategy, r, async_):
     n = 60 if r > 1 else 8
     times = np.sort(rng.uniform(0, 6000, n))
     trace = (times, rng.integers(0, 24, n))
-    kind = {"spare": "spare", "replication": "replication", "checkpoint_restart": "dp"}[strategy]
-    p = sim.make_placement(kind, 24, r)
+    p = strategies.placement(strategy, 24, r)
     res = sim.simulate(scenario, strategy, redundancy=r, checkpoint_interval_s=170.0, trace=trace)
     ref_t, ref_lost, ref_int = _reference(scenario, p, trace, 170.0, 8, dt=0.05)
     assert res.interruptions == ref_int
@@ -331,7 +364,13 @@ def test_domain_failures_kill_whole_domains():
 
 def test_simulate_many_pool_matches_in_process():
     sc = _small(gpus=8 * 200, restart_ref_gpus=8 * 200, gpu_mtbf_hours=1000.0, work_hours=20.0)
-    kw = dict(replicas=4, seed=11, progress=False, redundancy=2, checkpoint_interval_s=900.0)
+    kw = {
+        "replicas": 4,
+        "seed": 11,
+        "progress": False,
+        "redundancy": 2,
+        "checkpoint_interval_s": 900.0,
+    }
     one = sim.simulate_many(sc, "replication", processes=1, **kw)
     two = sim.simulate_many(sc, "replication", processes=2, **kw)
     assert one.mean == two.mean and one.replicas == 4
@@ -339,7 +378,7 @@ def test_simulate_many_pool_matches_in_process():
     assert one.stderr["time_to_train_s"] > 0
 
 
-def test_rejects_bad_arguments():
+def test_trace_with_hot_repair_is_not_supported():
     with pytest.raises(NotImplementedError):
         sim.simulate(
             _small(repair="hot"),
@@ -348,12 +387,28 @@ def test_rejects_bad_arguments():
             checkpoint_interval_s=HOUR,
             trace=NO_FAILURES,
         )
-    with pytest.raises(ValueError):
-        sim.simulate(_small(), "elastic", checkpoint_interval_s=HOUR)
-    with pytest.raises(ValueError):
-        sim.simulate(_small(), "checkpoint_restart", redundancy=2, checkpoint_interval_s=HOUR)
-    with pytest.raises(ValueError):
-        sim.simulate(_small(), "checkpoint_restart", checkpoint_interval_s=0.0)
+
+
+@pytest.mark.parametrize(
+    "strategy, kwargs, name",
+    [
+        ("elastic", {}, "strategy"),
+        ("checkpoint_restart", {"redundancy": 2}, "redundancy 1"),
+        ("checkpoint_restart", {"checkpoint_interval_s": 0.0}, "checkpoint_interval_s"),
+        ("checkpoint_restart", {"checkpoint_interval_s": math.nan}, "checkpoint_interval_s"),
+        ("spare", {"redundancy": 2, "policy": "drop"}, "policy"),
+        ("spare", {"redundancy": 2, "microbatches": 0}, "microbatches"),
+        ("spare", {"redundancy": 2.5}, "redundancy"),
+        ("spare", {"redundancy": 2, "seed": -1}, "seed"),
+        ("spare", {"redundancy": 2, "layout": "diagonal"}, "layout"),
+        ("spare", {"redundancy": 2, "max_wall_factor": math.nan}, "max_wall_factor"),
+        ("replication", {"redundancy": 5}, "divisible"),
+    ],
+)
+def test_rejects_bad_arguments(strategy, kwargs, name):
+    kwargs = {"checkpoint_interval_s": HOUR} | kwargs
+    with pytest.raises(ValueError, match=name):
+        sim.simulate(_small(), strategy, **kwargs)
 
 
 def test_microbatch_cost_slows_spare_adaptive_only():
@@ -369,8 +424,6 @@ def test_microbatch_cost_slows_spare_adaptive_only():
 @pytest.mark.parametrize("groups, r, m", [(300, 3, 4), (200, 2, 8), (240, 4, 2)])
 def test_hot_repair_load_is_exact(groups, r, m):
     """The hot-repair overhead (gap shortcut + dead-window Hall terms) equals reorder's."""
-    from spare_jax.sim.hot import _Load
-
     rng = np.random.default_rng(groups)
     p = placement.cyclic(groups, r)
     load = _Load(p, m, "adaptive")
@@ -388,18 +441,21 @@ def test_hot_repair_load_is_exact(groups, r, m):
 
 
 def test_hot_repair_runs_and_repairs_help():
-    base = dict(gpus=8 * 3000, restart_ref_gpus=8 * 3000, gpu_mtbf_hours=3000.0, work_hours=100.0)
-    kw = dict(replicas=3, processes=1, progress=False, redundancy=2, checkpoint_interval_s=3600.0)
+    base = {
+        "gpus": 8 * 3000,
+        "restart_ref_gpus": 8 * 3000,
+        "gpu_mtbf_hours": 3000.0,
+        "work_hours": 100.0,
+    }
+    kw = {
+        "replicas": 3,
+        "processes": 1,
+        "progress": False,
+        "redundancy": 2,
+        "checkpoint_interval_s": 3600.0,
+    }
     cold = sim.simulate_many(_small(**base), "spare", **kw)
     hot = sim.simulate_many(_small(repair="hot", mttr_hours=0.5, **base), "spare", **kw)
     assert hot.mean["interruptions"] < 0.5 * cold.mean["interruptions"]
     assert hot.mean["time_to_train_s"] < cold.mean["time_to_train_s"]
     assert 1 < hot.mean["overhead_mean"] < 2
-
-
-def test_run_result_is_frozen():
-    res = sim.simulate(
-        _small(), "checkpoint_restart", checkpoint_interval_s=HOUR, trace=NO_FAILURES
-    )
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        res.failures = 3  # type: ignore[misc]

@@ -89,22 +89,103 @@ def test_committed_results_agree_with_plan_cli():
     assert math.isclose(float(head["closed_form_reduction"]), 1.0 - spare / rep, rel_tol=1e-9)
 
 
+def _floats(rows: list[dict], key: str) -> list[float]:
+    return [float(row[key]) for row in rows]
+
+
+def _check_overhead(rows: list[dict]) -> None:
+    """Epoch overhead vs r, simulated and closed form, in the order the figure shows.
+
+    The simulation plays the same epochs for every policy and m, so its order is
+    exact; its agreement with the closed form is tested with enough epochs in
+    tests/test_sim_validation.py (here: 4 epochs per point).
+    """
+    by = {(row["strategy"], int(row["microbatches"]), int(row["redundancy"])): row for row in rows}
+    for r in sorted({int(row["redundancy"]) for row in rows}):
+        for column in ("sim_mean", "closed_form_mean"):
+            mean = {key[:2]: float(row[column]) for key, row in by.items() if key[2] == r}
+            assert mean[("replication", 1)] == r
+            m16, m8, m1 = (mean[("spare adaptive", m)] for m in (16, 8, 1))
+            assert 1.0 <= m16 <= m8 <= m1 <= mean[("spare fixed", 8)] + 1e-12 <= r + 1e-12
+        for key, row in by.items():
+            if key[2] == r:
+                assert float(row["sim_mean"]) <= float(row["sim_worst"]) + 1e-12 <= r + 1e-12
+
+
+def _check_endurance(rows: list[dict]) -> None:
+    """Mean failures to interruption: sim vs exact within 4 s.e. + 1%, and its orderings."""
+    cf = {}
+    for row in rows:
+        sim_f, se, exact = float(row["sim"]), float(row["sim_se"]), float(row["closed_form"])
+        assert abs(sim_f - exact) <= 4 * se + 0.01 * exact, row
+        cf[(row["strategy"], int(row["groups"]), int(row["redundancy"]))] = exact
+    for (strategy, g, r), value in cf.items():
+        assert value >= r
+        larger = [v for (s2, g2, r2), v in cf.items() if (s2, r2) == (strategy, r) and g2 > g]
+        assert all(v > value for v in larger)  # more groups endure more failures
+        if ("replication", g, r) in cf and strategy == "spare":
+            assert cf[("replication", g, r)] > value  # replication endures ~r^(1/r) more
+
+
+def _check_availability(rows: list[dict]) -> None:
+    for row in rows:
+        for avail, ratio in (("closed_form", "closed_form_ratio"), ("sim", "sim_ratio")):
+            assert 0.0 < float(row[ratio]) <= float(row[avail]) <= 1.0, row
+        if row["strategy"] == "replication":
+            assert float(row["closed_form_ratio"]) <= 1.0 / int(row["redundancy"]) + 1e-12
+
+
+def _check_time_to_train(rows: list[dict], work_hours: float) -> dict[int, dict[str, dict]]:
+    by_gpus: dict[int, dict[str, dict]] = {}
+    for row in rows:
+        assert float(row["closed_form_h"]) > work_hours and float(row["sim_h"]) > work_hours
+        by_gpus.setdefault(int(row["gpus"]), {})[row["name"]] = row
+    for by in by_gpus.values():
+        t = {name: float(row["closed_form_h"]) for name, row in by.items()}
+        # SPARe adaptive searches a superset of checkpoint/restart's and fixed order's plans.
+        assert t["spare_adaptive"] <= min(t["checkpoint_restart"], t["spare_fixed"]) * (1 + 1e-9)
+        assert t["replication"] <= t["replication_r2"] * (1 + 1e-9)  # r >= 2 is a narrower search
+    return by_gpus
+
+
+def _check_reduction(rows: list[dict], ttt: dict[int, dict[str, dict]]) -> None:
+    for row in rows:
+        t = {name: float(x["closed_form_h"]) for name, x in ttt[int(row["gpus"])].items()}
+        want = 1 - t["spare_adaptive"] / t["replication"]
+        assert math.isclose(float(row["closed_form_reduction"]), want, rel_tol=1e-9)
+        assert float(row["closed_form_reduction_r2"]) >= float(row["closed_form_reduction"])
+
+
+def _check_sensitivity(rows: list[dict]) -> None:
+    base = rows[0]
+    assert base["case"].startswith("baseline")
+    for row in rows[1:]:  # quick: narrower searches only, so SPARe can only get slower
+        assert float(row["spare_closed_form_h"]) >= float(base["spare_closed_form_h"]) * (1 - 1e-9)
+
+
 @pytest.mark.slow
-def test_reproduce_quick_writes_artefacts_with_plan_cli_plans(tmp_path):
-    out = tmp_path / "results"
+def test_reproduce_quick_writes_results_that_hold_with_plan_cli_plans(tmp_path):
+    """--quick into the default --out (runs/reproduce under the working directory)."""
     subprocess.run(
-        [sys.executable, REPRODUCE, f"--out={out}", "--quick"],
+        [sys.executable, REPRODUCE, "--quick"],
         check=True,
-        cwd=ROOT,
+        cwd=tmp_path,
         timeout=600,
         capture_output=True,
     )
-    for name in ARTEFACTS:
-        png = out / f"{name}.png"
-        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-        assert len(_csv(str(out / f"{name}.csv"))) >= 2
+    out = tmp_path / "runs" / "reproduce"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(
+        [f"{name}.{ext}" for name in ARTEFACTS for ext in ("csv", "png")]
+        + ["sensitivity.csv", "domains.csv", "summary.md"]
+    )
+    _check_overhead(_csv(str(out / "overhead_vs_redundancy.csv")))
+    _check_endurance(_csv(str(out / "endurable_failures.csv")))
+    _check_availability(_csv(str(out / "availability_vs_redundancy.csv")))
+    ttt = _check_time_to_train(_csv(str(out / "time_to_train.csv")), work_hours=48.0)
+    _check_reduction(_csv(str(out / "reduction_vs_replication.csv")), ttt)
+    _check_sensitivity(_csv(str(out / "sensitivity.csv")))
     # --quick: 48 h of work at 9,600 and 96,000 GPUs.
-    rows = [row for row in _csv(str(out / "time_to_train.csv")) if int(row["gpus"]) == 96_000]
+    rows = list(ttt[96_000].values())
     _assert_same_plans(rows, _plan_json("--gpus=96000", "--work_hours=48"))
     cases = [row["case"] for row in _csv(str(out / "sensitivity.csv"))]
     assert any(c.startswith("m fixed at 8") for c in cases)

@@ -1,39 +1,39 @@
 """Closed forms for SPARe, replication and checkpoint/restart; time-to-train and its optimiser.
 
-Public API (DESIGN.md sections 3-4): `survival`, `endurable_failures`,
+Public API (docs/design.md sections 6-9): `survival`, `endurable_failures`,
 `endurable_failures_asymptotic`, `mean_time_to_interruption`, `overhead`,
-`young`, `daly`, `time_to_train` -> `Estimate`, `optimise` -> `Plan`;
-`DEFAULT_REDUNDANCIES` and `DEFAULT_MICROBATCHES`, the joint optimiser's
-search (experiments/plan.py's flag defaults; experiments/reproduce.py uses them).
+`adaptive_max_load`, `young`, `daly`, `exact_optimum`, `time_to_train` ->
+`Estimate`, `optimise` -> `Plan`; `DEFAULT_REDUNDANCIES` and
+`DEFAULT_MICROBATCHES`, the joint optimiser's search (experiments/plan.py's
+flag defaults; experiments/reproduce.py uses them); `clear_caches`.
+Strategy and policy names are those of `spare_jax.strategies`.
 """
 
 from spare_jax.analysis.checkpointing import daly, exact_optimum, young
 from spare_jax.analysis.endurance import (
-    STRATEGIES,
     endurable_failures,
     endurable_failures_asymptotic,
-    mean_time_to_interruption,
     survival,
 )
 from spare_jax.analysis.overhead_model import adaptive_max_load, overhead
 from spare_jax.analysis.planner import (
     DEFAULT_MICROBATCHES,
     DEFAULT_REDUNDANCIES,
-    TTT_STRATEGIES,
     Estimate,
     Plan,
+    clear_caches,
     optimise,
     time_to_train,
 )
+from spare_jax.analysis.weights import mean_time_to_interruption
 
 __all__ = [
     "DEFAULT_MICROBATCHES",
     "DEFAULT_REDUNDANCIES",
-    "STRATEGIES",
-    "TTT_STRATEGIES",
     "Estimate",
     "Plan",
     "adaptive_max_load",
+    "clear_caches",
     "daly",
     "endurable_failures",
     "endurable_failures_asymptotic",

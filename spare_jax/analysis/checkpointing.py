@@ -27,14 +27,14 @@ import math
 import numpy as np
 from scipy import special
 
+from spare_jax import checks
+
 __all__ = ["daly", "exact_optimum", "segment_cost", "young"]
 
 
 def _check(C: float, M: float) -> None:
-    if not C >= 0:
-        raise ValueError(f"checkpoint cost C must be >= 0, got {C!r}")
-    if not M > 0:
-        raise ValueError(f"mean time between interruptions M must be > 0, got {M!r}")
+    checks.number("checkpoint cost C", C, low=0.0)
+    checks.number("mean time between interruptions M", M, low=0.0, low_open=True)
 
 
 def young(C: float, M: float) -> float:
@@ -70,6 +70,8 @@ def segment_cost(tau: float, C: float, M: float, R: float) -> tuple[float, float
     last checkpoint after every interruption (each costing `R`).
     """
     _check(C, M)
+    checks.number("tau", tau, low=0.0, low_open=True, allow_inf=True)
+    checks.number("restart cost R", R, low=0.0)
     s = tau + C
     if s / M > 700.0:
         return math.inf, math.inf

@@ -1,8 +1,9 @@
 """Endurable failures and mean time to interruption, exact and asymptotic.
 
-Failures strike groups one at a time. Under the DESIGN.md convention ("live")
-each failure hits a live group chosen uniformly at random, so after `f`
-failures the dead set is a uniformly random `f`-subset of the `G` groups and
+Failures strike groups one at a time. Under the "live" convention of
+docs/design.md (6. Endurable failures) each failure hits a live group chosen
+uniformly at random, so after `f` failures the dead set is a uniformly random
+`f`-subset of the `G` groups and
 
     P(f) = P(no interruption after f failures) = good f-subsets / C(G, f).
 
@@ -46,64 +47,66 @@ import functools
 import math
 
 import numpy as np
-from scipy import special
+from scipy import optimize, special
+
+from spare_jax import checks, strategies
 
 __all__ = [
-    "STRATEGIES",
-    "canonical",
+    "CONVENTIONS",
+    "MAX_GROUPS",
+    "MAX_REDUNDANCY",
+    "check",
     "endurable_failures",
     "endurable_failures_asymptotic",
     "log_survival_curve",
-    "mean_time_to_interruption",
     "survival",
 ]
 
-STRATEGIES = ("spare", "replication", "dp", "checkpoint_restart")
-_ALIASES = {
-    "spare": "spare",
-    "cyclic": "spare",
-    "strided": "spare",
-    "replication": "replication",
-    "dp": "dp",
-    "checkpoint_restart": "dp",
-    "data_parallel": "dp",
-}
+CONVENTIONS: tuple[str, ...] = ("live", "any")
+# Sizes the closed forms are evaluated for. The survival curve costs about 8 s at
+# 10^7 groups and r = 8; its transfer matrices are r x r, and the fixed-order
+# overhead builds one curve per j < r: at r = 64 one evaluation takes minutes.
+MAX_GROUPS = 10_000_000
+MAX_REDUNDANCY = 32
+# "any" convention: the survival DP costs max(failures) x survivable dead counts.
+_MAX_ANY_WORK = 10**9
 _LOG_FLOOR = -30.0 * math.log(10.0)  # stop once P(f) < 1e-30
+# Log-odds bracket of the tilt; beyond 30 the dead mark rounds to 1 in double precision.
+_TILT_BRACKET = (-60.0, 30.0)
 
 
-def canonical(strategy: str) -> str:
-    """Map a strategy name to "spare", "replication" or "dp"; ValueError otherwise."""
-    try:
-        return _ALIASES[strategy]
-    except (KeyError, TypeError):
+def check(strategy: str, groups: int, redundancy: int) -> tuple[str, int, int]:
+    """Validate a (strategy, G, r) configuration; return (kind, G, r).
+
+    `kind` is the canonical strategy ("spare", "replication" or "dp"; any
+    strategy with r = 1 is "dp").
+
+    Raises:
+        ValueError: naming the bad argument and the rule it breaks.
+    """
+    kind = strategies.canonical(strategy)
+    groups = checks.integer("groups", groups, low=1)
+    if groups > MAX_GROUPS:
         raise ValueError(
-            f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}"
-        ) from None
+            f"groups must be <= {MAX_GROUPS:,} for the closed forms (the survival curve "
+            f"takes seconds at 10^7 groups, minutes beyond), got {groups:,}"
+        )
+    r = checks.integer("redundancy", redundancy, low=1)
+    if r > MAX_REDUNDANCY:
+        raise ValueError(
+            f"redundancy must be <= {MAX_REDUNDANCY} for the closed forms (r x r transfer "
+            f"matrices; one evaluation takes minutes at r = 64), got {r}"
+        )
+    if r > groups:
+        raise ValueError(f"redundancy r={r} must not exceed groups G={groups}")
+    if kind == "dp" and r != 1:
+        raise ValueError(f"{strategy} has redundancy 1, got {r}")
+    if kind == "replication" and groups % r:
+        raise ValueError(f"replication needs G divisible by r: G={groups}, r={r}")
+    return ("dp" if r == 1 else kind), groups, r
 
 
-def _check(strategy: str, groups: int, redundancy: int) -> tuple[str, int, int]:
-    kind = canonical(strategy)
-    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
-        raise ValueError(f"groups must be a positive integer, got {groups!r}")
-    if (
-        isinstance(redundancy, bool)
-        or not isinstance(redundancy, (int, np.integer))
-        or redundancy < 1
-    ):
-        raise ValueError(f"redundancy must be a positive integer, got {redundancy!r}")
-    groups, redundancy = int(groups), int(redundancy)
-    if redundancy > groups:
-        raise ValueError(f"redundancy r={redundancy} must not exceed groups G={groups}")
-    if kind == "dp" and redundancy != 1:
-        raise ValueError(f"{strategy} has redundancy 1, got {redundancy}")
-    if kind == "replication" and groups % redundancy:
-        raise ValueError(f"replication needs G divisible by r: G={groups}, r={redundancy}")
-    if redundancy == 1:
-        kind = "dp"
-    return kind, groups, redundancy
-
-
-def _max_good(kind: str, groups: int, r: int) -> int:
+def max_good(kind: str, groups: int, r: int) -> int:
     """Largest number of dead groups that can leave every shard covered."""
     if kind == "dp":
         return 0
@@ -113,7 +116,12 @@ def _max_good(kind: str, groups: int, r: int) -> int:
 
 
 def _log_binom(n: int, k: np.ndarray) -> np.ndarray:
-    # betaln avoids the cancellation of three gammaln values of size n log n.
+    """log C(n, k) through betaln.
+
+    Not `scipy.stats.binom.logpmf`: it sums three gammaln values of size
+    n log n (about 1e7 at n = 600,000), whose cancellation costs ~1e-9 of
+    relative accuracy in P(f); betaln keeps it near 1e-12.
+    """
     return -math.log(n + 1) - special.betaln(n - k + 1, k + 1)
 
 
@@ -179,7 +187,7 @@ def _log_generating(
 
 def _window(kind: str, groups: int, r: int, lo: int, hi: int, p: float) -> np.ndarray:
     """Exact log P(f) for f in [lo, hi], read off the generating function tilted by p."""
-    f_top = _max_good(kind, groups, r)
+    f_top = max_good(kind, groups, r)
     sigma = math.sqrt(groups * p * (1.0 - p)) + 1.0
     need = int((hi - lo) + 20 * sigma + 64)
     size = 1 << max(6, need.bit_length())
@@ -204,7 +212,7 @@ def _window(kind: str, groups: int, r: int, lo: int, hi: int, p: float) -> np.nd
     return np.minimum(log_p, 0.0)
 
 
-def _site_mean(kind: str, r: int, x: float) -> float:
+def site_mean(kind: str, r: int, x: float) -> float:
     """Mean dead fraction per group at dead-odds e^x, conditioned on no interruption (G -> inf)."""
     p = 1.0 / (1.0 + math.exp(-x))
     if kind == "replication":
@@ -231,34 +239,34 @@ def _site_mean(kind: str, r: int, x: float) -> float:
 
 def _tilt(kind: str, groups: int, r: int, centre: float) -> tuple[float, float]:
     """Tilt p whose conditioned dead count has mean `centre`, and that count's std. dev."""
-    lo, hi = -60.0, 40.0
     target = max(centre, 0.25) / groups
-    for _ in range(80):
-        mid = 0.5 * (lo + hi)
-        if _site_mean(kind, r, mid) < target:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-5:
-            break
-    x = 0.5 * (lo + hi)
-    var = groups * (_site_mean(kind, r, x + 1e-4) - _site_mean(kind, r, x - 1e-4)) / 2e-4
+    lo, hi = _TILT_BRACKET
+
+    def gap(x: float) -> float:
+        return site_mean(kind, r, x) - target
+
+    # Near the densest good configuration no finite tilt reaches `target`: take the top.
+    x = hi if gap(hi) <= 0.0 else optimize.brentq(gap, lo, hi, xtol=1e-6)
+    var = groups * (site_mean(kind, r, x + 1e-4) - site_mean(kind, r, x - 1e-4)) / 2e-4
     return 1.0 / (1.0 + math.exp(-x)), math.sqrt(max(var, 0.0)) + 1.0
 
 
-@functools.lru_cache(maxsize=256)
 def log_survival_curve(strategy: str, groups: int, redundancy: int) -> np.ndarray:
     """log P(no interruption after f failures), f = 0, 1, ... until P < 1e-30 ("live").
 
-    The array is read-only and cached per (strategy, G, r); P(f) beyond its end
-    is below 1e-30 (or exactly 0 past the largest survivable dead count).
+    The array is read-only and cached per (canonical strategy, G, r); P(f) beyond
+    its end is below 1e-30 (or exactly 0 past the largest survivable dead count).
     """
-    kind, groups, r = _check(strategy, groups, redundancy)
+    return _curve(*check(strategy, groups, redundancy))
+
+
+@functools.lru_cache(maxsize=256)
+def _curve(kind: str, groups: int, r: int) -> np.ndarray:
     if kind == "dp":
         out = np.zeros(1)
         out.setflags(write=False)
         return out
-    f_top = _max_good(kind, groups, r)
+    f_top = max_good(kind, groups, r)
     pieces: list[np.ndarray] = []
     lo = 0
     while lo <= f_top:
@@ -303,32 +311,44 @@ def _any_survival(curve: np.ndarray, groups: int, failures: np.ndarray) -> np.nd
     return out[failures]
 
 
+def _failure_counts(failures: object) -> np.ndarray:
+    f = np.asarray(failures)
+    if f.dtype == bool or not np.issubdtype(f.dtype, np.integer) or np.any(f < 0):
+        raise ValueError(f"failures must be non-negative integers, got {failures!r}")
+    return f
+
+
 def survival(
     strategy: str, groups: int, redundancy: int, failures, *, convention: str = "live"
 ) -> np.ndarray:
     """P(no interruption after `failures` failures).
 
     Args:
-        strategy: "spare" (cyclic stacking), "replication", "dp" or "checkpoint_restart".
+        strategy: a strategy name of `spare_jax.strategies` ("spare" is cyclic stacking).
         groups: G.
         redundancy: r.
         failures: an int or int array of failure counts.
-        convention: "live" (each failure strikes a live group uniformly, DESIGN.md) or
-            "any" (a failure may strike a dead group; replication literature).
+        convention: "live" (each failure strikes a live group uniformly,
+            docs/design.md section 6) or "any" (a failure may strike a dead
+            group; the replication literature's convention).
 
     Returns:
         Array of probabilities, the shape of `failures`.
     """
+    checks.choice("convention", convention, CONVENTIONS)
+    f = _failure_counts(failures)
     curve = log_survival_curve(strategy, groups, redundancy)
-    f = np.asarray(failures)
-    if not np.issubdtype(f.dtype, np.integer) or np.any(f < 0):
-        raise ValueError(f"failures must be non-negative integers, got {failures!r}")
     if convention == "live":
         inside = f < curve.size
         return np.where(inside, np.exp(curve[np.where(inside, f, 0)]), 0.0)
-    if convention == "any":
-        return _any_survival(curve, int(groups), f)
-    raise ValueError(f"convention must be 'live' or 'any', got {convention!r}")
+    work = int(f.max(initial=0)) * curve.size
+    if work > _MAX_ANY_WORK:
+        raise ValueError(
+            f"failures must be <= {_MAX_ANY_WORK // curve.size:,} here under 'any' (its dynamic "
+            f"programme costs max(failures) x {curve.size:,} survivable dead counts), "
+            f"got {int(f.max()):,}"
+        )
+    return _any_survival(curve, int(groups), f)
 
 
 def endurable_failures(
@@ -339,14 +359,12 @@ def endurable_failures(
     Under "any" the count also includes failures that struck already dead groups
     (Casanova et al.'s mean number of failures to interruption).
     """
-    curve = log_survival_curve(strategy, groups, redundancy)
-    surv = np.exp(curve)
+    checks.choice("convention", convention, CONVENTIONS)
+    surv = np.exp(log_survival_curve(strategy, groups, redundancy))
     if convention == "live":
         return float(surv.sum())
-    if convention == "any":
-        k = np.arange(surv.size)
-        return float(np.sum(surv * groups / (groups - k)))
-    raise ValueError(f"convention must be 'live' or 'any', got {convention!r}")
+    k = np.arange(surv.size)
+    return float(np.sum(surv * groups / (groups - k)))
 
 
 def endurable_failures_asymptotic(strategy: str, groups: int, redundancy: int) -> float:
@@ -356,33 +374,8 @@ def endurable_failures_asymptotic(strategy: str, groups: int, redundancy: int) -
     (f^r / G^(r-1) for stacking, f^r / (r G^(r-1)) for replication). Relative
     error is O(G^(-1/r)); docs/overhead_model.md tabulates it.
     """
-    kind, groups, r = _check(strategy, groups, redundancy)
+    kind, groups, r = check(strategy, groups, redundancy)
     if kind == "dp":
         return 1.0
     base = math.gamma(1.0 + 1.0 / r) * groups ** (1.0 - 1.0 / r)
     return base * (r ** (1.0 / r) if kind == "replication" else 1.0)
-
-
-def mean_time_to_interruption(
-    strategy: str,
-    groups: int,
-    redundancy: int,
-    group_mtbf_s: float,
-    *,
-    law: str = "exponential",
-    weibull_shape: float = 1.0,
-) -> float:
-    """Mean time from a fresh start to the first interruption, no repair.
-
-    Exponential: E[sum_{i<F} 1 / ((G - i) lambda)] = sum_k P(k) / ((G - k) lambda).
-    Weibull (mean `group_mtbf_s`, shape `weibull_shape`): the order in which
-    groups fail is a uniform permutation independent of the sorted failure
-    times, so MTTI = integral over t of E[P(K_t)], K_t ~ Binomial(G, F(t)) the
-    number of groups failed by t (`weights.time_in_state` computes it).
-    """
-    from spare_jax.analysis import weights  # local import: weights imports this module
-
-    w = weights.time_in_state(
-        strategy, groups, redundancy, group_mtbf_s, law=law, weibull_shape=weibull_shape
-    )
-    return float(w.sum())

@@ -1,6 +1,7 @@
 """Expected computation overhead with k dead groups (cyclic stacking, replication, DP).
 
-The overhead is `max load / m` (DESIGN.md section 2). For cyclic stacking with
+The overhead is `max load / m` (docs/design.md, 2. Vocabulary and 7. Computation
+overhead). For cyclic stacking with
 k dead groups, chosen uniformly among the dead sets that do not interrupt the
 run, docs/overhead_model.md derives:
 
@@ -20,8 +21,9 @@ run, docs/overhead_model.md derives:
     roots depend on (r, m, p) only, so they are tabulated once per (r, m).
 * replication: r; data parallelism: 1 (only k = 0 survives).
 
-`adaptive_max_load` evaluates the Hall bound exactly for one dead set; the
-tests check it against `spare_jax.reorder.max_load` and use it for Monte Carlo.
+`adaptive_max_load` evaluates the Hall bound exactly for one dead set (the
+tests check it against `spare_jax.reorder.max_load` and use it for Monte
+Carlo); its kernel `window_load` also serves the simulator's hot re-join.
 """
 
 from __future__ import annotations
@@ -30,39 +32,95 @@ import functools
 
 import numpy as np
 
+from spare_jax import checks, strategies
 from spare_jax.analysis import endurance
 
-__all__ = ["POLICIES", "adaptive_max_load", "overhead", "overhead_moments"]
+__all__ = [
+    "MAX_WALK_STATES",
+    "adaptive_max_load",
+    "check_size",
+    "overhead",
+    "overhead_moments",
+    "window_load",
+]
 
-POLICIES = ("adaptive", "fixed", "replication", "dp")
 _GRID_X = np.arange(-16.0, 2.51, 0.5)  # log-odds of the per-group dead mark
+# The adaptive model's walk has m (r - 1) states and its tables cost O(states^2)
+# per iteration: 256 states take about 3 s, 1024 over a minute.
+MAX_WALK_STATES = 256
+_WINDOW_ELEMENTS = 1 << 20  # window_load's working set per block of window lengths
+
+
+def window_load(dead: np.ndarray, groups: int, redundancy: int, microbatches: int) -> int:
+    """Largest Hall term over ring windows that start and end at dead groups.
+
+    A window of `span` ring positions holding `d` dead groups covers the
+    `span - r + 1` shards whose holders all lie in it, so it forces a load of
+    ceil(m (span - r + 1) / (span - d)). For d >= r this decreases with the
+    span at fixed d, so the largest terms come from windows bounded by dead
+    groups: the pairs (i, i + t) of the sorted dead positions, t >= r - 1
+    (windows with d < r force at most m). O(k^2) over the k dead groups,
+    vectorised in blocks of bounded memory; no argument checks (the callers
+    check), so that the simulator's hot re-join can call it per event.
+
+    Args:
+        dead: sorted, distinct dead group ids in [0, G).
+        groups: G.
+        redundancy: r.
+        microbatches: m.
+
+    Returns:
+        max(m, the largest window term).
+
+    Raises:
+        ValueError: r ring-consecutive dead groups (an interruption).
+    """
+    k, g, r, m = dead.size, groups, redundancy, microbatches
+    best = m
+    block = max(1, _WINDOW_ELEMENTS // max(k, 1))
+    cols = np.arange(k)
+    for t0 in range(r - 1, k, block):
+        t = np.arange(t0, min(t0 + block, k))[:, None]
+        span = (dead[(cols[None, :] + t) % k] - dead[None, :]) % g + 1
+        live = span - t - 1
+        if np.any(live <= 0):
+            raise ValueError(f"interruption: {r} ring-consecutive dead groups")
+        best = max(best, int(np.max(-(-m * (span - r + 1) // live))))
+    return best
 
 
 def adaptive_max_load(groups: int, redundancy: int, microbatches: int, dead: np.ndarray) -> int:
-    """Exact optimal max load L* for cyclic stacking with the given dead groups.
+    """Exact optimal max load L* for cyclic stacking (one ring) with the given dead groups.
 
-    Raises ValueError when the dead set interrupts the run (r consecutive dead).
-    Windows that can set the maximum start and end at dead groups, so it scans
-    pairs of dead groups (i, i + t) in circular order: O(k^2) vectorised.
+    L* = max(ceil(G m / live), window terms): the Hall bound of docs/design.md
+    section 4, which the optimal assignment attains.
+
+    Args:
+        groups: G.
+        redundancy: r.
+        microbatches: m.
+        dead: ids of the dead groups, integers in [0, G) (repeats count once).
+
+    Raises:
+        ValueError: a bad argument, or a dead set that interrupts the run
+            (r ring-consecutive dead groups, or every group dead).
     """
-    g, r, m = int(groups), int(redundancy), int(microbatches)
-    pos = np.unique(np.asarray(dead, dtype=np.int64) % g)
+    _, g, r = endurance.check("spare", groups, redundancy)
+    m = checks.integer("microbatches", microbatches, low=1, high=2**31 - 1)
+    ids = np.asarray(dead)
+    if ids.size and (ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"dead must hold integer group ids, got dtype {ids.dtype}")
+    if ids.ndim > 1:
+        raise ValueError(f"dead must be a 1-D list of group ids, got shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= g):
+        raise ValueError(f"dead group ids must lie in [0, {g}), got {ids.min()}..{ids.max()}")
+    pos = np.unique(ids.astype(np.int64))
     k = pos.size
     if k == 0:
         return m
     if k == g:
-        raise ValueError("every group is dead")
-    base = m + -(-m * k // (g - k))
-    best = base
-    for t in range(r - 1, k):  # window holding the t+1 dead groups pos[i], ..., pos[i+t]
-        span = (pos[(np.arange(k) + t) % k] - pos) % g + 1
-        d = t + 1
-        live = span - d
-        if np.any(live <= 0) and d >= r:
-            raise ValueError(f"interruption: {r} consecutive dead groups")
-        e = d - (r - 1)
-        best = max(best, int(np.max(m + -(-m * e // np.maximum(live, 1)))))
-    return best
+        raise ValueError("interruption: every group is dead")
+    return max(-(-g * m // (g - k)), window_load(pos, g, r, m))
 
 
 def _walk_rates(redundancy: int, microbatches: int, p: np.ndarray) -> np.ndarray:
@@ -136,7 +194,7 @@ def _adaptive_table(
     """
     grid = _GRID_X[_GRID_X <= x_max + 1e-9]
     p = 1.0 / (1.0 + np.exp(-grid))
-    frac = np.array([endurance._site_mean("spare", redundancy, x) for x in grid])
+    frac = np.array([endurance.site_mean("spare", redundancy, x) for x in grid])
     rates = _walk_rates(redundancy, microbatches, p)
     with np.errstate(divide="ignore"):
         log_neg = np.log(np.maximum(-rates, 1e-300))
@@ -188,14 +246,50 @@ def _fixed(groups: int, r: int, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, inverse
 
 
+def check_size(kind: str, redundancy: int, microbatches: int, policy: str) -> int:
+    """Check the policy and that (r, m) is within the model's limits; return m.
+
+    Args:
+        kind: a canonical strategy ("spare", "replication" or "dp").
+        redundancy: r (already checked).
+        microbatches: m.
+        policy: "adaptive" or "fixed".
+    """
+    strategies.check_policy(policy, exact=True)
+    m = checks.integer("microbatches", microbatches, low=1)
+    if kind == "spare" and policy == "adaptive" and m * (redundancy - 1) > MAX_WALK_STATES:
+        raise ValueError(
+            f"microbatches * (redundancy - 1) must be <= {MAX_WALK_STATES} for the adaptive "
+            f"overhead model (its walk has that many states; at 1024 its tables take over "
+            f"a minute), got {m} * {redundancy - 1}"
+        )
+    return m
+
+
+def _dead_counts(dead: object) -> np.ndarray:
+    k = np.asarray(dead)
+    if k.dtype == bool or not np.issubdtype(k.dtype, np.integer) or np.any(k < 0):
+        raise ValueError(f"dead must be non-negative integers, got {dead!r}")
+    return k
+
+
 def overhead_moments(
-    policy: str, groups: int, redundancy: int, microbatches: int, dead
+    strategy: str,
+    groups: int,
+    redundancy: int,
+    microbatches: int,
+    dead,
+    *,
+    policy: str = "adaptive",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(E[o | k], E[1/o | k]) for k = `dead` (array); the second drives progress (rate 1/o)."""
-    strategy = {"adaptive": "spare", "fixed": "spare"}.get(policy, policy)
-    kind, g, r = endurance._check(strategy, groups, redundancy)
-    k = np.atleast_1d(np.asarray(dead)).astype(np.int64)
-    possible = k <= endurance._max_good(kind, g, r)
+    """(E[o | k], E[1/o | k]) for k = `dead`, flattened; the second drives progress (rate 1/o).
+
+    Arguments as for `overhead`.
+    """
+    kind, g, r = endurance.check(strategy, groups, redundancy)
+    m = check_size(kind, r, microbatches, policy)
+    k = np.atleast_1d(_dead_counts(dead)).astype(np.int64).ravel()
+    possible = k <= endurance.max_good(kind, g, r)
     kk = np.where(possible, k, 0)
     if kind == "dp":
         mean = np.ones(k.shape)
@@ -206,36 +300,34 @@ def overhead_moments(
     elif policy == "fixed":
         mean, inverse = _fixed(g, r, kk)
     else:
-        mean, inverse = _adaptive(g, r, int(microbatches), kk)
+        mean, inverse = _adaptive(g, r, m, kk)
     return np.where(possible, mean, np.nan), np.where(possible, inverse, np.nan)
 
 
 def overhead(
-    policy: str, groups: int, redundancy: int, microbatches: int, dead
+    strategy: str,
+    groups: int,
+    redundancy: int,
+    microbatches: int,
+    dead,
+    *,
+    policy: str = "adaptive",
 ) -> np.ndarray | float:
     """Expected computation overhead (max load / m) given `dead` dead groups and no interruption.
 
     Args:
-        policy: "adaptive" or "fixed" (cyclic stacking), "replication" or "dp".
+        strategy: a strategy name of `spare_jax.strategies`: "spare" (cyclic
+            stacking), "replication" (overhead r) or "dp" (1).
         groups: G.
         redundancy: r.
-        microbatches: m per shard.
+        microbatches: m per shard (stacking with adaptive reordering).
         dead: number of dead groups, an int or int array (vectorised).
+        policy: "adaptive" (optimal reordering) or "fixed" (stack order), for stacking.
 
     Returns:
         float (or array of the shape of `dead`); NaN where `dead` groups cannot
         be dead without an interruption.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if (
-        isinstance(microbatches, bool)
-        or not isinstance(microbatches, (int, np.integer))
-        or microbatches < 1
-    ):
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    k = np.asarray(dead)
-    if not np.issubdtype(k.dtype, np.integer) or np.any(k < 0):
-        raise ValueError(f"dead must be non-negative integers, got {dead!r}")
-    mean, _ = overhead_moments(policy, groups, redundancy, int(microbatches), k)
+    k = _dead_counts(dead)
+    mean, _ = overhead_moments(strategy, groups, redundancy, microbatches, k, policy=policy)
     return float(mean[0]) if k.ndim == 0 else mean.reshape(k.shape)

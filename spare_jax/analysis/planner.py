@@ -26,19 +26,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from scipy import optimize
 
+from spare_jax import checks, strategies
 from spare_jax.analysis import checkpointing, endurance, overhead_model, renewal, weights
 from spare_jax.scenario import Scenario
 
-__all__ = ["TTT_STRATEGIES", "Estimate", "Plan", "optimise", "time_to_train"]
+__all__ = [
+    "DEFAULT_MICROBATCHES",
+    "DEFAULT_REDUNDANCIES",
+    "Estimate",
+    "Plan",
+    "candidate_count",
+    "clear_caches",
+    "optimise",
+    "time_to_train",
+]
 
-TTT_STRATEGIES = ("checkpoint_restart", "replication", "spare")
-
-# The joint optimiser's candidates (issue 4: "over redundancy (1..8), checkpoint
-# interval, and micro-batches where free").
+# The joint optimiser's candidates: redundancy 1..8 and the micro-batch counts
+# where they are free (docs/design.md, 9. Time-to-train model).
 DEFAULT_REDUNDANCIES: tuple[int, ...] = tuple(range(1, 9))
 DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16)
 
@@ -75,7 +84,11 @@ class Estimate:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The optimiser's choice for one strategy (policy is "replication"/"dp" for the baselines)."""
+    """The optimiser's choice for one strategy.
+
+    `strategy` and `policy` are as given to `optimise` (the policy matters for
+    stacking only); `microbatches` is 1 wherever micro-batches change nothing.
+    """
 
     strategy: str
     policy: str
@@ -85,18 +98,19 @@ class Plan:
     estimate: Estimate
 
 
-def _strategy(strategy: str, redundancy: int, policy: str) -> tuple[str, str]:
-    if strategy not in TTT_STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(TTT_STRATEGIES)}, got {strategy!r}")
-    if strategy == "checkpoint_restart":
-        if redundancy != 1:
-            raise ValueError(f"checkpoint_restart has redundancy 1, got {redundancy}")
-        return "dp", "dp"
-    if strategy == "replication":
-        return ("dp", "dp") if redundancy == 1 else ("replication", "replication")
-    if policy not in ("adaptive", "fixed"):
-        raise ValueError(f"policy must be 'adaptive' or 'fixed', got {policy!r}")
-    return ("dp", "dp") if redundancy == 1 else ("spare", policy)
+def _kind(strategy: str, redundancy: int, policy: str) -> str:
+    """The canonical strategy the model evaluates ("dp" whenever r = 1), policy checked."""
+    kind = strategies.canonical(strategy)
+    strategies.check_policy(policy, exact=True)
+    if kind == "dp" and redundancy != 1:
+        raise ValueError(f"{strategy} has redundancy 1, got {redundancy}")
+    return "dp" if redundancy == 1 else kind
+
+
+def _check_scenario(scenario: Scenario) -> Scenario:
+    if not isinstance(scenario, Scenario):
+        raise ValueError(f"scenario must be a Scenario, got {type(scenario).__name__}")
+    return scenario.validate()
 
 
 @functools.lru_cache(maxsize=512)
@@ -111,7 +125,7 @@ def _epoch(scenario: Scenario, kind: str, policy: str, r: int, m: int) -> renewa
         else:
             mtbf = mtbf / (1.0 + scenario.domain_failure_fraction * scenario.domain_groups)
     n_k = endurance.log_survival_curve(kind, g, r).size
-    o, inv = overhead_model.overhead_moments(policy, g, r, m, np.arange(n_k))
+    o, inv = overhead_model.overhead_moments(kind, g, r, m, np.arange(n_k), policy=policy)
     o = np.where(np.isfinite(o), o, float(np.nanmax(o)) if np.any(np.isfinite(o)) else 1.0)
     inv = np.where(np.isfinite(inv), inv, 1.0 / o)
     horizon = scenario.work_hours * 3600.0 * float(o.max()) * 4.0
@@ -160,27 +174,18 @@ def _wall(
     lost = gap - s / np.expm1(x) if x > 1e-9 else 0.5 * s
     per = lost + extra
 
-    def done(u: float) -> float:
+    def short(u: float) -> float:
         prog, _, n = model.at(u)
-        return (prog - n * per * model.rate_at_interruption) * tau / s
+        return (prog - n * per * model.rate_at_interruption) * tau / s - work
 
     hi = max(work * s / tau, 1.0)
     for _ in range(200):
-        if done(hi) >= work:
+        if short(hi) >= 0.0:
             break
         hi *= 2.0
     else:
         return math.inf, math.inf, math.inf, math.inf
-    lo = 0.0
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if done(mid) >= work:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo < 1e-9 * hi:
-            break
-    u = hi
+    u = float(optimize.brentq(short, 0.0, hi, xtol=1e-9, rtol=1e-13))
     n = model.at(u)[2]
     return u + n * restart, u, n, n * per
 
@@ -197,39 +202,34 @@ def time_to_train(
     """Expected time-to-train and its companions for one strategy.
 
     Args:
-        scenario: the cluster, failure law and costs (validated here).
-        strategy: "checkpoint_restart" (r = 1), "replication" or "spare".
+        scenario: the cluster, failure law and costs.
+        strategy: a strategy name of `spare_jax.strategies` ("dp", alias
+            "checkpoint_restart", has r = 1; "replication"; "spare").
         redundancy: r.
-        checkpoint_interval_s: running seconds between saves; None picks the
-            model's optimum (numerical, started from the Lambert-W optimum
-            `checkpointing.exact_optimum` for Poisson interruptions).
+        checkpoint_interval_s: running seconds between saves (inf: never); None
+            picks the model's optimum (numerical, started from the Lambert-W
+            optimum `checkpointing.exact_optimum` for Poisson interruptions).
         microbatches: m per shard (SPARe adaptive; ignored by the other strategies).
         policy: "adaptive" or "fixed" (SPARe only).
 
     Returns:
         An `Estimate`.
+
+    Raises:
+        ValueError: naming a bad argument.
     """
-    scenario.validate()
-    if (
-        isinstance(redundancy, bool)
-        or not isinstance(redundancy, (int, np.integer))
-        or redundancy < 1
-    ):
-        raise ValueError(f"redundancy must be a positive integer, got {redundancy!r}")
-    if (
-        isinstance(microbatches, bool)
-        or not isinstance(microbatches, (int, np.integer))
-        or microbatches < 1
-    ):
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    kind, pol = _strategy(strategy, int(redundancy), policy)
-    r, g = int(redundancy), scenario.groups
-    if r > g:
-        raise ValueError(f"redundancy r={r} must not exceed groups G={g}")
-    if kind == "replication" and g % r:
-        raise ValueError(f"replication needs G divisible by r: G={g}, r={r}")
-    m = int(microbatches) if pol == "adaptive" else 1
-    model = _epoch(scenario, kind, pol, r, m)
+    _check_scenario(scenario)
+    r = checks.integer("redundancy", redundancy, low=1)
+    m = checks.integer("microbatches", microbatches, low=1)
+    kind = _kind(strategy, r, policy)
+    endurance.check(kind, scenario.groups, r)
+    if checkpoint_interval_s is not None:
+        checks.number(
+            "checkpoint_interval_s", checkpoint_interval_s, low=0.0, low_open=True, allow_inf=True
+        )
+    m = m if (kind == "spare" and policy == "adaptive") else 1
+    overhead_model.check_size(kind, r, m, policy)
+    model = _epoch(scenario, kind, policy, r, m)
     work = scenario.work_hours * 3600.0 * (1.0 + scenario.microbatch_overhead * (m - 1))
     c_block = (
         scenario.checkpoint_async_stall_s if scenario.checkpoint_async else scenario.checkpoint_s
@@ -240,8 +240,6 @@ def time_to_train(
         tau = _best_interval(model, work, c_block, extra, restart)
     else:
         tau = float(checkpoint_interval_s)
-        if not tau > 0:
-            raise ValueError(f"checkpoint_interval_s must be > 0, got {checkpoint_interval_s!r}")
     wall, up, n_int, lost = _wall(model, work, tau, c_block, extra, restart)
     if not math.isfinite(wall):
         return Estimate(
@@ -266,7 +264,10 @@ def _best_interval(
     if c_block == 0.0:
         return 1e-3 * model.mean_gap  # free saves: checkpoint (almost) continuously
     guess = checkpointing.exact_optimum(c_block, model.mean_gap)
-    cost = lambda log_tau: _wall(model, work, math.exp(log_tau), c_block, extra, restart)[0]
+
+    def cost(log_tau: float) -> float:
+        return _wall(model, work, math.exp(log_tau), c_block, extra, restart)[0]
+
     res = optimize.minimize_scalar(
         cost,
         bounds=(math.log(guess) - 3.0, math.log(guess) + 3.0),
@@ -277,18 +278,37 @@ def _best_interval(
     return float(best)
 
 
-def _candidates(scenario: Scenario, strategy: str, policy: str, redundancies, microbatches):
+def _candidates(
+    scenario: Scenario,
+    strategy: str,
+    policy: str,
+    redundancies: Iterable[int],
+    microbatches: Iterable[int],
+) -> list[tuple[int, int]]:
+    """The (r, m) pairs `optimise` evaluates, every candidate checked first.
+
+    r > G, and r not dividing G for replication, are skipped; any other bad
+    candidate raises ValueError before anything is computed.
+    """
+    _check_scenario(scenario)
+    kind = strategies.canonical(strategy)
+    strategies.check_policy(policy, exact=True)
+    rs = [checks.integer("redundancies", r, low=1) for r in redundancies]
+    ms = [checks.integer("microbatches", m, low=1) for m in microbatches]
+    if not rs or not ms:
+        raise ValueError("redundancies and microbatches must each list at least one value")
+    if kind == "dp":
+        return [(1, 1)]
     g = scenario.groups
-    if strategy == "checkpoint_restart":
-        yield 1, 1
-        return
-    for r in redundancies:
-        r = int(r)
-        if r < 1 or r > g or (strategy == "replication" and g % r):
+    out = []
+    for r in rs:
+        if r > g or (kind == "replication" and g % r):
             continue
-        ms = microbatches if (strategy == "spare" and policy == "adaptive" and r > 1) else (1,)
-        for m in ms:
-            yield r, int(m)
+        endurance.check(kind, g, r)
+        for m in ms if (kind == "spare" and policy == "adaptive" and r > 1) else (1,):
+            overhead_model.check_size(kind, r, m, policy)
+            out.append((r, m))
+    return out
 
 
 def optimise(
@@ -296,9 +316,9 @@ def optimise(
     strategy: str,
     *,
     policy: str = "adaptive",
-    redundancies=DEFAULT_REDUNDANCIES,
-    microbatches=DEFAULT_MICROBATCHES,
-    progress=None,
+    redundancies: Iterable[int] = DEFAULT_REDUNDANCIES,
+    microbatches: Iterable[int] = DEFAULT_MICROBATCHES,
+    progress: Callable[[], object] | None = None,
 ) -> Plan:
     """Minimise expected time-to-train over redundancy, checkpoint interval and m.
 
@@ -309,29 +329,28 @@ def optimise(
 
     Args:
         scenario: the scenario.
-        strategy: "checkpoint_restart", "replication" or "spare".
+        strategy: a strategy name of `spare_jax.strategies`.
         policy: "adaptive" or "fixed" (SPARe).
-        redundancies: candidate r values (r > G, or r not dividing G for
-            replication, are skipped).
-        microbatches: candidate m values (SPARe adaptive).
+        redundancies: candidate r values, integers >= 1 (r > G, or r not
+            dividing G for replication, are skipped).
+        microbatches: candidate m values, integers >= 1 (SPARe adaptive).
         progress: optional callable invoked once per candidate (e.g. a tqdm update).
 
     Returns:
         The best `Plan`.
+
+    Raises:
+        ValueError: a bad argument or candidate, or no feasible candidate.
     """
-    _strategy(strategy, 1, policy)
+    redundancies, microbatches = tuple(redundancies), tuple(microbatches)
+    candidates = _candidates(scenario, strategy, policy, redundancies, microbatches)
     best: Plan | None = None
-    for r, m in _candidates(scenario, strategy, policy, tuple(redundancies), tuple(microbatches)):
+    for r, m in candidates:
         est = time_to_train(scenario, strategy, redundancy=r, microbatches=m, policy=policy)
         if progress is not None:
             progress()
         if best is None or est.time_to_train_s < best.estimate.time_to_train_s:
-            pol = (
-                policy
-                if strategy == "spare"
-                else ("dp" if strategy == "checkpoint_restart" else "replication")
-            )
-            best = Plan(strategy, pol, r, est.checkpoint_interval_s, m, est)
+            best = Plan(strategy, policy, r, est.checkpoint_interval_s, m, est)
     if best is None:
         raise ValueError(
             f"no feasible redundancy for {strategy} among {list(redundancies)} "
@@ -345,10 +364,20 @@ def candidate_count(
     strategy: str,
     *,
     policy: str = "adaptive",
-    redundancies=DEFAULT_REDUNDANCIES,
-    microbatches=DEFAULT_MICROBATCHES,
+    redundancies: Iterable[int] = DEFAULT_REDUNDANCIES,
+    microbatches: Iterable[int] = DEFAULT_MICROBATCHES,
 ) -> int:
-    """Number of (r, m) evaluations `optimise` will make (for progress bars)."""
-    return sum(
-        1 for _ in _candidates(scenario, strategy, policy, tuple(redundancies), tuple(microbatches))
-    )
+    """Number of (r, m) evaluations `optimise` will make (for progress bars).
+
+    Checks every candidate as `optimise` does, so a caller can refuse a bad
+    search before any work.
+    """
+    return len(_candidates(scenario, strategy, policy, redundancies, microbatches))
+
+
+def clear_caches() -> None:
+    """Forget every cached table (survival curves, overhead tables, age models)."""
+    endurance._curve.cache_clear()
+    overhead_model._adaptive_table.cache_clear()
+    renewal._band.cache_clear()
+    _epoch.cache_clear()

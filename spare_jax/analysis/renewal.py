@@ -28,9 +28,11 @@ import functools
 import math
 
 import numpy as np
-from scipy import special
+from scipy import integrate, special
 
+from spare_jax import checks
 from spare_jax.analysis import endurance
+from spare_jax.scenario import FAILURE_LAWS, weibull_scale
 
 __all__ = ["AgeModel", "age_model"]
 
@@ -62,6 +64,8 @@ class AgeModel:
 
     def at(self, uptime: float) -> tuple[float, float, float]:
         """(progress, overhead integral, interruptions) at `uptime`, extrapolated linearly."""
+        if not uptime >= 0.0:
+            raise ValueError(f"uptime must be >= 0, got {uptime!r}")
         end = self.t[-1]
         if uptime <= end:
             return (
@@ -80,15 +84,14 @@ class AgeModel:
 def _cdf(law: str, mean: float, shape: float, a: np.ndarray) -> np.ndarray:
     if law == "exponential":
         return -np.expm1(-a / mean)
-    scale = mean / math.gamma(1.0 + 1.0 / shape)
-    return -np.expm1(-((a / scale) ** shape))
+    return -np.expm1(-((a / weibull_scale(mean, shape)) ** shape))
 
 
 def _inverse_cdf(law: str, mean: float, shape: float, u: float) -> float:
     y = -math.log1p(-min(u, 1.0 - 1e-16))
     if law == "exponential":
         return mean * y
-    return mean / math.gamma(1.0 + 1.0 / shape) * y ** (1.0 / shape)
+    return weibull_scale(mean, shape) * y ** (1.0 / shape)
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,6 +108,9 @@ def _band(
     """Ages, and per chunk of ages the weights Bin(k; G, F(a)) P(k) e^(-extra a) with their k.
 
     The ages stop where G F(a) passes the end of the survival curve (P < 1e-30 beyond).
+    The binomial log-pmf is built from one table of log C(G, k) shared by every
+    chunk: `scipy.stats.binom.logpmf` recomputes three gammaln values per
+    (age, k) pair and makes a cold optimisation about 15% slower.
     """
     surv = np.exp(endurance.log_survival_curve(kind, groups, redundancy))
     n_k = surv.size
@@ -182,7 +188,7 @@ def age_model(
     """Build the `AgeModel` for one strategy.
 
     Args:
-        kind: "spare", "replication" or "dp".
+        kind: a strategy name of `spare_jax.strategies`.
         groups: G.
         redundancy: r.
         group_mtbf_s: mean time to failure of one group.
@@ -195,6 +201,12 @@ def age_model(
         points: grid size.
         inverse: E[1/o | k] (the progress rate; default 1 / overhead).
     """
+    kind, groups, redundancy = endurance.check(kind, groups, redundancy)
+    checks.number("group_mtbf_s", group_mtbf_s, low=0.0, low_open=True)
+    checks.number("horizon_s", horizon_s, low=0.0, low_open=True, allow_inf=True)
+    checks.choice("law", law, FAILURE_LAWS)
+    checks.number("extra_rate", extra_rate, low=0.0)
+    points = checks.integer("points", points, low=2, high=100_000)
     surv = np.exp(endurance.log_survival_curve(kind, groups, redundancy))
     o = _fit(np.asarray(overhead, dtype=float), surv.size)
     inv = 1.0 / o if inverse is None else _fit(np.asarray(inverse, dtype=float), surv.size)
@@ -218,7 +230,10 @@ def age_model(
         psi_r[sl] = np.sum(w * inv[kk], axis=1)
         psi_o[sl] = np.sum(w * o[kk], axis=1)
     da = ages[1] - ages[0]
-    trap = lambda y: np.concatenate([[0.0], np.cumsum(0.5 * (y[1:] + y[:-1]) * da)])
+
+    def trap(y: np.ndarray) -> np.ndarray:
+        return integrate.cumulative_trapezoid(y, dx=da, initial=0.0)
+
     gap = float(trap(s_x)[-1])
     rate_r = float(trap(psi_r)[-1]) / gap
     rate_o = float(trap(psi_o)[-1]) / gap

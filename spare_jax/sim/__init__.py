@@ -4,6 +4,7 @@ Modules:
     failures: failure laws (exponential, Weibull, failure domains, replayed
         traces) and the vectorised interruption test (min over shards of the
         max over holders of the death times).
+    overheads: the overhead after each failure event of a segment.
     interruption: Monte Carlo without repair: failures and time to the first
         interruption, overhead over an epoch (`failures_to_interruption`,
         `time_to_interruption`, `epoch_overhead`).
@@ -24,7 +25,6 @@ from spare_jax.sim.failures import (
     TraceFailures,
     draw_lifetimes,
     interruption_threshold,
-    make_placement,
 )
 from spare_jax.sim.interruption import (
     epoch_overhead,
@@ -45,7 +45,6 @@ __all__ = [
     "epoch_overhead",
     "failures_to_interruption",
     "interruption_threshold",
-    "make_placement",
     "ratio_mean",
     "simulate",
     "simulate_many",

@@ -23,7 +23,7 @@ With `Scenario.repair == "hot"` the live set also grows between restarts;
 same (breakpoints, overheads, interruption) triple to step 3.
 
 Backend seam: `simulate` is this fast vectorised backend. A second backend (a
-SimGrid model of the same rules, DESIGN.md section 5) needs only to satisfy
+SimGrid model of the same rules) needs only to satisfy
 the `Backend` protocol below, i.e. to map (scenario, strategy, parameters,
 seed) to a `RunResult`; `simulate_many` takes any such callable through its
 `backend` argument, so a second backend can be compared with this one field
@@ -39,16 +39,13 @@ from typing import Protocol
 import numpy as np
 import tqdm
 
-from spare_jax import reorder
-from spare_jax.incremental import LoadTracker
-from spare_jax.placement import Placement
+from spare_jax import checks, strategies
 from spare_jax.scenario import Scenario
-from spare_jax.sim.failures import RandomFailures, Segment, TraceFailures, make_placement
+from spare_jax.sim.failures import RandomFailures, TraceFailures
 from spare_jax.sim.hot import HotRepair
+from spare_jax.sim.overheads import Overheads
 
-__all__ = ["Backend", "Checkpointing", "RunResult", "STRATEGIES", "simulate"]
-
-STRATEGIES = ("checkpoint_restart", "replication", "spare")
+__all__ = ["Backend", "Checkpointing", "RunResult", "simulate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +110,15 @@ class Checkpointing:
     stall_s: float
     save_s: float
 
+    def __post_init__(self) -> None:
+        checks.number("interval_s", self.interval_s, low=0.0, low_open=True, allow_inf=True)
+        checks.number("save_s", self.save_s, low=0.0)
+        checks.number("stall_s", self.stall_s, low=0.0, high=self.save_s)
+
     @classmethod
     def from_scenario(cls, scenario: Scenario, interval_s: float) -> Checkpointing:
-        if not interval_s > 0:
-            raise ValueError(f"checkpoint_interval_s must be > 0 (inf: never), got {interval_s!r}")
+        """The save pattern of `scenario` every `interval_s` seconds of computing (inf: never)."""
+        checks.number("checkpoint_interval_s", interval_s, low=0.0, low_open=True, allow_inf=True)
         stall = (
             scenario.checkpoint_async_stall_s
             if scenario.checkpoint_async
@@ -174,45 +176,6 @@ class Totals:
     lost_progress_s: float = 0.0
     failures: int = 0
     checkpoints: int = 0
-
-
-class Overheads:
-    """Overhead after each failure event of a segment (shrinking live set)."""
-
-    def __init__(self, p: Placement, microbatches: int, policy: str):
-        self.placement = p
-        self.m = microbatches
-        self.policy = policy
-        self.constant = p.duplicate_work or p.redundancy == 1
-        self.base = p.redundancy if p.duplicate_work else 1.0
-
-    def after_events(self, seg: Segment, count: int) -> np.ndarray:
-        """float [count + 1]: overhead before any event, then after each of the first `count`."""
-        out = np.full(count + 1, float(self.base))
-        if self.constant or count == 0:
-            return out
-        tracker = LoadTracker(self.placement, self.m, self.policy)
-        groups = seg.groups
-        ends = np.cumsum(seg.event_sizes[:count])
-        start = 0
-        try:
-            for j, end in enumerate(ends.tolist()):
-                for g in groups[start:end].tolist():
-                    load = tracker.fail(g)
-                out[j + 1] = load / self.m
-                start = end
-        except reorder.Interruption as exc:  # the failure process and reorder disagree
-            raise AssertionError(
-                f"uncovered shard before the computed interruption: {exc}"
-            ) from exc
-        if count < seg.event_sizes.size:  # the interrupting event must uncover a shard
-            try:
-                for g in groups[start : start + seg.event_sizes[count]].tolist():
-                    tracker.fail(g)
-            except reorder.Interruption:
-                return out
-            raise AssertionError("the computed interruption leaves every shard covered")
-        return out
 
 
 def play_segment(
@@ -296,7 +259,7 @@ def simulate(
     seed: int = 0,
     trace: tuple[np.ndarray, np.ndarray] | None = None,
     progress: bool = False,
-    layout: str = "cyclic",
+    layout: str | None = None,
     max_wall_factor: float = 1e3,
 ) -> RunResult:
     """Simulate one training run under `scenario`'s rules.
@@ -304,37 +267,38 @@ def simulate(
     Args:
         scenario: cluster, failure law and costs; `repair="hot"` plays hot re-join
             (`hot.HotRepair`, an event walk) instead of replace-at-restart.
-        strategy: "checkpoint_restart" (r = 1), "replication" or "spare".
+        strategy: a strategy name of `spare_jax.strategies` ("dp", alias
+            "checkpoint_restart", has r = 1; "replication"; "spare").
         redundancy: r.
         checkpoint_interval_s: seconds of computing between saves (inf: never).
         microbatches: m, micro-batches per shard.
         policy: "adaptive" (optimal reordering) or "fixed" (stack order), for "spare".
-        seed: seed of the random generator.
+        seed: seed of the random generator (>= 0).
         trace: optional (time_s, group) failure events, wall-clock seconds since the
             start, replacing the scenario's failure law (and its domains).
         progress: show a progress bar over the work.
-        layout: stacking layout for "spare": "cyclic" or "strided".
+        layout: stacking layout for "spare": "cyclic" (default) or "strided".
         max_wall_factor: give up (time_to_train_s = inf) once the wall time
             exceeds this multiple of the work.
 
     Returns:
         The run's `RunResult`.
+
+    Raises:
+        ValueError: naming a bad argument.
     """
-    scenario.validate()
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "checkpoint_restart" and redundancy != 1:
-        raise ValueError(f"checkpoint_restart has redundancy 1, got {redundancy}")
-    if policy not in reorder.POLICIES:
-        raise ValueError(f"policy must be one of {reorder.POLICIES}, got {policy!r}")
-    kind = {
-        "checkpoint_restart": "dp",
-        "replication": "replication",
-        "spare": "strided" if layout == "strided" else "spare",
-    }[strategy]
-    p = make_placement(kind, scenario.groups, redundancy)
+    if not isinstance(scenario, Scenario):
+        raise ValueError(f"scenario must be a Scenario, got {type(scenario).__name__}")
+    kind = strategies.canonical(strategy)
+    strategies.check_policy(policy, exact=True)
+    microbatches = checks.integer("microbatches", microbatches, low=1, high=2**31 - 1)
+    seed = checks.integer("seed", seed, low=0)
+    checks.number("max_wall_factor", max_wall_factor, low=0.0, low_open=True)
+    p = strategies.placement(strategy, scenario.groups, redundancy, layout=layout)
+    ckpt = Checkpointing.from_scenario(scenario, checkpoint_interval_s)
     rng = np.random.default_rng(seed)
     overheads = Overheads(p, microbatches, policy)
+    restart = scenario.restart_seconds()
     if scenario.repair == "hot":
         if trace is not None:
             raise NotImplementedError("trace replay with hot re-join is not supported")
@@ -351,22 +315,24 @@ def simulate(
             rng=rng,
         )
         play = process.play
-    elif trace is None:
-        process = RandomFailures(
-            p,
-            scenario.group_mtbf_s,
-            law=scenario.failure_law,
-            weibull_shape=scenario.weibull_shape,
-            domain_groups=scenario.domain_groups,
-            domain_failure_fraction=scenario.domain_failure_fraction,
-            rng=rng,
-        )
     else:
-        process = TraceFailures(p, *trace)
-    if scenario.repair != "hot":
+        if trace is None:
+            process = RandomFailures(
+                p,
+                scenario.group_mtbf_s,
+                law=scenario.failure_law,
+                weibull_shape=scenario.weibull_shape,
+                domain_groups=scenario.domain_groups,
+                domain_failure_fraction=scenario.domain_failure_fraction,
+                rng=rng,
+            )
+        else:
+            if len(trace) != 2:
+                raise ValueError("trace must be a pair (times_s, groups)")
+            process = TraceFailures(p, *trace, restart_s=restart)
 
-        def play(clock: float, horizon: float, wall: float):
-            seg = process.segment(clock, horizon, wall)
+        def play(clock: float, horizon: float) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+            seg = process.segment(clock, horizon)
             count = seg.event_times.size - (0 if math.isinf(seg.interruption) else 1)
             return (
                 seg.event_times[:count],
@@ -375,12 +341,10 @@ def simulate(
                 seg.event_times,
             )
 
-    ckpt = Checkpointing.from_scenario(scenario, checkpoint_interval_s)
-    max_overhead = float(redundancy)
-    extra_microbatches = microbatches - 1 if strategy == "spare" and policy == "adaptive" else 0
-    cost = 1.0 + getattr(scenario, "microbatch_overhead", 0.0) * extra_microbatches
+    max_overhead = float(p.redundancy)
+    extra_microbatches = microbatches - 1 if kind == "spare" and policy == "adaptive" else 0
+    cost = 1.0 + scenario.microbatch_overhead * extra_microbatches
     work = scenario.work_hours * 3600.0
-    restart = scenario.restart_seconds()
     totals = Totals()
     done = 0.0
     clock = 0.0  # running clock (restarts excluded)
@@ -390,13 +354,13 @@ def simulate(
     while True:
         remaining = work - done
         changes, levels, t_int, failures = play(
-            clock, _horizon(ckpt, remaining, max_overhead * cost), totals.wall_s
+            clock, _horizon(ckpt, remaining, max_overhead * cost)
         )
         kept = play_segment(changes, levels, t_int, failures, remaining, ckpt, totals, cost)
         if math.isinf(kept):
             bar.update(remaining / 3600.0)
             break
-        process.restart(clock, clock + t_int)
+        process.restart(clock + t_int)
         clock += t_int
         totals.wall_s += restart
         totals.restart_s += restart

@@ -14,51 +14,33 @@ produce directly, so no sort is needed either.
 
 This module also holds the failure processes the run engine draws from:
 `RandomFailures` (exponential or Weibull group lifetimes, optional whole-domain
-failures) and `TraceFailures` (a replayed list of failure events).
+failures) and `TraceFailures` (a replayed list of failure events). Both keep
+one interface, on the *running* clock (restarts excluded):
+`segment(start_s, horizon_s)` gives the failure events of the segment that
+starts at `start_s` with every group alive, and `restart(end_s)` replaces the
+groups dead when that segment is interrupted at `end_s`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
-from spare_jax import placement as placement_lib
+from spare_jax import checks
 from spare_jax.placement import Placement
+from spare_jax.scenario import FAILURE_LAWS, WEIBULL_SHAPES, weibull_scale
 
 __all__ = [
+    "GroupClocks",
     "RandomFailures",
     "Segment",
     "TraceFailures",
     "draw_lifetimes",
     "interruption_threshold",
-    "make_placement",
-    "weibull_scale",
 ]
-
-LAWS = ("exponential", "weibull")
-
-
-def make_placement(strategy: str, groups: int, redundancy: int) -> Placement:
-    """Placement of a strategy name: "spare" (cyclic stacking), "replication", "dp".
-
-    "checkpoint_restart" is an alias of "dp" (plain data parallelism, r = 1).
-    """
-    if strategy in ("spare", "cyclic"):
-        return placement_lib.cyclic(groups, redundancy)
-    if strategy == "strided":
-        return placement_lib.strided(groups, redundancy)
-    if strategy == "replication":
-        return placement_lib.replication(groups, redundancy)
-    if strategy in ("dp", "checkpoint_restart"):
-        if redundancy != 1:
-            raise ValueError(f"strategy {strategy!r} has redundancy 1, got {redundancy}")
-        return placement_lib.data_parallel(groups)
-    raise ValueError(
-        f"unknown strategy {strategy!r}; expected spare, replication, dp, "
-        "checkpoint_restart or strided"
-    )
 
 
 def interruption_threshold(p: Placement, death: np.ndarray) -> np.ndarray:
@@ -72,6 +54,9 @@ def interruption_threshold(p: Placement, death: np.ndarray) -> np.ndarray:
     Returns:
         [...] the value at which the first shard loses its last holder.
     """
+    death = np.asarray(death)
+    if death.ndim < 1 or death.shape[-1] != p.groups:
+        raise ValueError(f"death must have shape [..., {p.groups}], got {death.shape}")
     r = p.redundancy
     if r == 1:
         return death.min(axis=-1)
@@ -98,11 +83,6 @@ def interruption_threshold(p: Placement, death: np.ndarray) -> np.ndarray:
     return window.min(axis=-1)
 
 
-def weibull_scale(mean: float, shape: float) -> float:
-    """Weibull scale parameter giving mean `mean` at shape `shape`."""
-    return mean / math.gamma(1.0 + 1.0 / shape)
-
-
 def draw_lifetimes(
     rng: np.random.Generator, law: str, mean: float, shape: float, size: int | tuple[int, ...]
 ) -> np.ndarray:
@@ -115,11 +95,11 @@ def draw_lifetimes(
         shape: Weibull shape (ignored for the exponential law).
         size: output shape.
     """
+    checks.number("mean", mean, low=0.0, low_open=True)
     if law == "exponential":
         return rng.exponential(mean, size)
-    if law == "weibull":
-        return weibull_scale(mean, shape) * rng.weibull(shape, size)
-    raise ValueError(f"law must be one of {LAWS}, got {law!r}")
+    checks.choice("law", law, FAILURE_LAWS)
+    return weibull_scale(mean, shape) * rng.weibull(shape, size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,21 +149,19 @@ def _segment_from_deaths(
     return Segment(event_times, sizes, groups, t_int if t_int <= horizon else math.inf)
 
 
-class RandomFailures:
-    """Exponential or Weibull group lifetimes, plus optional whole-domain failures.
+class GroupClocks:
+    """The running-clock time of every group's next failure, and of every domain's.
 
-    The clock is the *running* clock: restarts do not age anything. Every group
-    keeps an absolute time of its next failure; a group killed in a segment is
-    replaced at the restart that ends it and draws a fresh lifetime from that
-    moment; survivors keep theirs (exact for Weibull ageing, and equivalent to
-    redrawing for the memoryless exponential). Domain `d` (groups
+    Lifetimes are exponential or Weibull of mean `mean_s`. Domain `d` (groups
     `d*domain_groups .. (d+1)*domain_groups - 1`) fails as a whole after an
-    exponential time of rate `domain_failure_fraction * (groups in d) / mean`.
+    exponential time of rate `domain_failure_fraction * (groups in d) / mean_s`.
+    The state both failure processes with a random law share (`RandomFailures`
+    here, `hot.HotRepair`).
     """
 
     def __init__(
         self,
-        placement: Placement,
+        groups: int,
         mean_s: float,
         *,
         law: str = "exponential",
@@ -192,18 +170,20 @@ class RandomFailures:
         domain_failure_fraction: float = 0.0,
         rng: np.random.Generator | None = None,
     ):
-        if law not in LAWS:
-            raise ValueError(f"law must be one of {LAWS}, got {law!r}")
-        self.placement = placement
-        self.groups = placement.groups
+        checks.number("mean_s", mean_s, low=0.0, low_open=True)
+        checks.choice("law", law, FAILURE_LAWS)
+        checks.number("weibull_shape", weibull_shape, low=WEIBULL_SHAPES[0], high=WEIBULL_SHAPES[1])
+        checks.integer("domain_groups", domain_groups, low=0)
+        checks.number("domain_failure_fraction", domain_failure_fraction, low=0.0)
+        self.groups = groups
         self.mean_s = float(mean_s)
         self.law = law
         self.shape = float(weibull_shape)
         self.rng = np.random.default_rng() if rng is None else rng
-        self._next = self._draw(self.groups)
+        self._next = self._draw(groups)
         self._domains = domain_groups > 0 and domain_failure_fraction > 0
         if self._domains:
-            self._domain_of = np.arange(self.groups) // int(domain_groups)
+            self._domain_of = np.arange(groups) // int(domain_groups)
             sizes = np.bincount(self._domain_of)
             self._domain_mean = self.mean_s / (domain_failure_fraction * sizes)
             self._domain_next = self.rng.exponential(self._domain_mean)
@@ -211,16 +191,33 @@ class RandomFailures:
     def _draw(self, size: int) -> np.ndarray:
         return draw_lifetimes(self.rng, self.law, self.mean_s, self.shape, size)
 
-    def segment(self, start_s: float, horizon_s: float, wall_s: float = 0.0) -> Segment:
+    def _redraw_domains(self, fired: np.ndarray, now_s: float) -> None:
+        """Domains `fired` fail next an exponential time after `now_s`."""
+        self._domain_next[fired] = now_s + self.rng.exponential(self._domain_mean[fired])
+
+
+class RandomFailures(GroupClocks):
+    """Exponential or Weibull group lifetimes, plus optional whole-domain failures.
+
+    The clock is the *running* clock: restarts do not age anything. Every group
+    keeps an absolute time of its next failure; a group killed in a segment is
+    replaced at the restart that ends it and draws a fresh lifetime from that
+    moment; survivors keep theirs (exact for Weibull ageing, and equivalent to
+    redrawing for the memoryless exponential). Domains as in `GroupClocks`.
+    """
+
+    def __init__(self, placement: Placement, mean_s: float, **kwargs: Any):
+        """`placement`, the mean lifetime and `GroupClocks`'s keyword arguments."""
+        super().__init__(placement.groups, mean_s, **kwargs)
+        self.placement = placement
+
+    def segment(self, start_s: float, horizon_s: float) -> Segment:
         """Events from running time `start_s` (all groups alive) up to the interruption.
 
         Args:
             start_s: running-clock time at which the segment starts.
             horizon_s: only events within this many seconds are needed.
-            wall_s: wall-clock time of the segment start (unused: random laws
-                live on the running clock).
         """
-        del wall_s
         death = self._next - start_s
         cause = np.full(self.groups, -1, np.int64)
         if self._domains:
@@ -231,42 +228,59 @@ class RandomFailures:
         t_int = float(interruption_threshold(self.placement, death))
         return _segment_from_deaths(death, cause, t_int, horizon_s)
 
-    def restart(self, start_s: float, end_s: float) -> None:
-        """Replace every group dead at running time `end_s` (segment began at `start_s`)."""
-        del start_s
+    def restart(self, end_s: float) -> None:
+        """Replace every group dead at running time `end_s`, the interruption."""
         dead = np.flatnonzero(self._next <= end_s)
         if self._domains:
             fired = np.flatnonzero(self._domain_next <= end_s)
             if fired.size:
                 dead = np.union1d(dead, np.flatnonzero(np.isin(self._domain_of, fired)))
-                self._domain_next[fired] = end_s + self.rng.exponential(self._domain_mean[fired])
+                self._redraw_domains(fired, end_s)
         self._next[dead] = end_s + self._draw(dead.size)
 
 
 class TraceFailures:
     """A replayed list of failure events: (wall-clock time, group).
 
-    Times are wall-clock seconds since the run start. An event during a restart
-    is dropped (the restart replaces every failed group anyway); an event on a
-    group already dead in the current segment changes nothing and is not
-    counted. After the last event nothing fails.
+    Times are wall-clock seconds since the run start; each restart costs
+    `restart_s` of wall time, so a segment starting at running time `start_s`
+    after n restarts starts at wall time `start_s + n restart_s`. An event
+    during a restart is dropped (the restart replaces every failed group
+    anyway); an event on a group already dead in the current segment changes
+    nothing and is not counted. After the last event nothing fails.
     """
 
-    def __init__(self, placement: Placement, times_s: np.ndarray, groups: np.ndarray):
-        times = np.asarray(times_s, dtype=float)
-        group_ids = np.asarray(groups, dtype=np.int64)
-        if times.shape != group_ids.shape or times.ndim != 1:
-            raise ValueError("trace times and groups must be 1-D arrays of equal length")
+    def __init__(
+        self, placement: Placement, times_s: np.ndarray, groups: np.ndarray, *, restart_s: float
+    ):
+        times = np.asarray(times_s)
+        group_ids = np.asarray(groups)
+        if times.ndim != 1 or group_ids.shape != times.shape:
+            raise ValueError(
+                f"trace times and groups must be 1-D arrays of equal length, got shapes "
+                f"{times.shape} and {group_ids.shape}"
+            )
+        if times.size and (times.dtype == bool or not np.issubdtype(times.dtype, np.number)):
+            raise ValueError(f"trace times must be numbers, got dtype {times.dtype}")
+        if group_ids.size and (
+            group_ids.dtype == bool or not np.issubdtype(group_ids.dtype, np.integer)
+        ):
+            raise ValueError(f"trace groups must be integer ids, got dtype {group_ids.dtype}")
+        times = times.astype(float)
+        if not np.all(np.isfinite(times)) or np.any(times < 0):
+            raise ValueError("trace times must be finite and >= 0")
         if group_ids.size and (group_ids.min() < 0 or group_ids.max() >= placement.groups):
             raise ValueError(f"trace group ids must lie in [0, {placement.groups})")
         order = np.argsort(times, kind="stable")
         self.placement = placement
         self.times = times[order]
-        self.group_ids = group_ids[order]
+        self.group_ids = group_ids.astype(np.int64)[order]
+        self.restart_s = checks.number("restart_s", restart_s, low=0.0)
+        self._restarts = 0
 
-    def segment(self, start_s: float, horizon_s: float, wall_s: float = 0.0) -> Segment:
-        """Events after wall time `wall_s` (all groups alive), mapped to running time."""
-        del start_s
+    def segment(self, start_s: float, horizon_s: float) -> Segment:
+        """Events of the segment starting at running time `start_s` (all groups alive)."""
+        wall_s = start_s + self._restarts * self.restart_s
         first = np.searchsorted(self.times, wall_s, side="left")
         last = np.searchsorted(self.times, wall_s + horizon_s, side="right")
         death = np.full(self.placement.groups, math.inf)
@@ -276,6 +290,7 @@ class TraceFailures:
         cause[np.isfinite(death)] = np.flatnonzero(np.isfinite(death))
         return _segment_from_deaths(death, cause, t_int, horizon_s)
 
-    def restart(self, start_s: float, end_s: float) -> None:
-        """Nothing to replace: the trace decides who fails next."""
-        del start_s, end_s
+    def restart(self, end_s: float) -> None:
+        """Count the restart (it shifts the wall clock); the trace decides who fails next."""
+        del end_s  # the trace is indexed by wall time, which only the restart count shifts
+        self._restarts += 1

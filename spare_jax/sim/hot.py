@@ -8,8 +8,9 @@ Each event updates the count of dead holders of the shards the group holds
 (interruption when one reaches r) and the overhead of the new live set.
 
 The overhead is exact. For one-ring cyclic stacking under adaptive
-reordering it is the Hall bound of DESIGN.md section 3 evaluated over the k
-dead groups only (`_window_load`, O(k^2), k is small with hot re-join), and
+reordering it is the Hall bound of docs/design.md (4. Adaptive reordering and
+the optimal load) evaluated over the k dead groups only
+(`analysis.overhead_model.window_load`, O(k^2), k is small with hot re-join), and
 skipped altogether when every two ring-consecutive dead groups are at least
 m + 1 apart: then no window beats the global term ceil(G m / live)
 (docs/simulator.md gives the argument). Other placements and the fixed
@@ -21,12 +22,14 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from typing import Any
 
 import numpy as np
 
-from spare_jax import reorder
+from spare_jax import checks, reorder
+from spare_jax.analysis.overhead_model import window_load
 from spare_jax.placement import Placement
-from spare_jax.sim.failures import draw_lifetimes
+from spare_jax.sim.failures import GroupClocks
 
 __all__ = ["HotRepair"]
 
@@ -93,35 +96,17 @@ class _Load:
             g, m = self.p.groups, self.m
             load = -(-g * m // (g - k))
             if self.close:
-                load = max(load, _window_load(np.array(self.dead), g, self.p.redundancy, m))
+                load = max(load, window_load(np.array(self.dead), g, self.p.redundancy, m))
             return load / m
         return reorder.max_load(self.p, self.alive, self.m, self.policy) / self.m
 
 
-def _window_load(dead: np.ndarray, groups: int, r: int, m: int) -> int:
-    """Largest Hall term over holder windows that start and end at dead groups.
-
-    A window of `span` ring positions holding `d` dead groups covers the
-    `span - r + 1` shards whose holders all lie inside it, so it forces a load
-    of ceil(m (span - r + 1) / (span - d)). For d >= r this decreases with the
-    span at fixed d, so the largest terms come from windows bounded by dead
-    groups: the pairs (i, i + t) of the sorted dead positions, t >= r - 1.
-    (Windows with d < r give at most m.) O(k^2) over the k dead groups.
-    """
-    k = dead.size
-    if k < r:
-        return m
-    t = np.arange(r - 1, k)[:, None]
-    span = (dead[(np.arange(k)[None, :] + t) % k] - dead[None, :]) % groups + 1
-    return max(m, int(np.max(-(-m * (span - r + 1) // (span - t - 1)))))
-
-
-class HotRepair:
+class HotRepair(GroupClocks):
     """Failure process with hot re-join after `mttr_s`, playing whole segments.
 
     Groups fail after exponential or Weibull lifetimes (running clock); a dead
     group re-joins `mttr_s` later and draws a fresh lifetime. Domains (as in
-    `failures.RandomFailures`) fail as a whole. At a restart every group is
+    `failures.GroupClocks`) fail as a whole. At a restart every group is
     replaced: dead or repairing groups start fresh, survivors keep their clocks.
     """
 
@@ -133,33 +118,24 @@ class HotRepair:
         *,
         microbatches: int,
         policy: str,
-        law: str = "exponential",
-        weibull_shape: float = 0.7,
-        domain_groups: int = 0,
-        domain_failure_fraction: float = 0.0,
-        rng: np.random.Generator | None = None,
+        **kwargs: Any,
     ):
+        """Placement, mean lifetime, repair time, load settings and `GroupClocks`'s keywords."""
+        checks.number("mttr_s", mttr_s, low=0.0, low_open=True)
+        super().__init__(p.groups, mean_s, **kwargs)
         self.p = p
-        self.mean_s, self.mttr_s = float(mean_s), float(mttr_s)
-        self.law, self.shape = law, float(weibull_shape)
-        self.rng = np.random.default_rng() if rng is None else rng
+        self.mttr_s = float(mttr_s)
         self.m, self.policy = microbatches, policy
-        self._next = draw_lifetimes(self.rng, law, self.mean_s, self.shape, p.groups)
-        self._domains = domain_groups > 0 and domain_failure_fraction > 0
-        if self._domains:
-            self._domain_of = np.arange(p.groups) // int(domain_groups)
-            sizes = np.bincount(self._domain_of)
-            self._domain_mean = self.mean_s / (domain_failure_fraction * sizes)
-            self._domain_next = self.rng.exponential(self._domain_mean)
 
-    def play(self, start_s: float, horizon_s: float, wall_s: float = 0.0):
-        """Events from `start_s` (all alive) to the interruption or the horizon.
+    def play(
+        self, start_s: float, horizon_s: float
+    ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+        """Events from running time `start_s` (all alive) to the interruption or the horizon.
 
         Returns:
             (change times, overheads [changes + 1], interruption time or inf,
             failure times), times relative to `start_s`.
         """
-        del wall_s
         p, end = self.p, start_s + horizon_s
         due = np.flatnonzero(self._next <= end)
         heap = list(zip(self._next[due].tolist(), [_FAIL] * due.size, due.tolist(), strict=True))
@@ -179,14 +155,14 @@ class HotRepair:
             if kind == _BACK:
                 load.set(who, True)
                 dead_holders[p.stacks[who]] -= 1
-                life = float(draw_lifetimes(self.rng, self.law, self.mean_s, self.shape, 1)[0])
+                life = float(self._draw(1)[0])
                 self._next[who] = t + life
                 if t + life <= end:
                     heapq.heappush(heap, (t + life, _FAIL, who))
             else:
                 if kind == _DOMAIN:
                     victims = np.flatnonzero((self._domain_of == who) & load.alive)
-                    self._domain_next[who] = t + self.rng.exponential(self._domain_mean[who])
+                    self._redraw_domains(who, t)
                     if self._domain_next[who] <= end:
                         heapq.heappush(heap, (self._domain_next[who], _DOMAIN, who))
                 else:
@@ -209,13 +185,9 @@ class HotRepair:
             overheads.append(load.overhead())
         return np.array(changes), np.array(overheads), math.inf, np.array(failures)
 
-    def restart(self, start_s: float, end_s: float) -> None:
+    def restart(self, end_s: float) -> None:
         """Replace every group dead or repairing at `end_s`; survivors keep their clocks."""
-        del start_s
         fresh = np.flatnonzero(~np.isfinite(self._next) | (self._next <= end_s))
-        self._next[fresh] = end_s + draw_lifetimes(
-            self.rng, self.law, self.mean_s, self.shape, fresh.size
-        )
+        self._next[fresh] = end_s + self._draw(fresh.size)
         if self._domains:
-            fired = np.flatnonzero(self._domain_next <= end_s)
-            self._domain_next[fired] = end_s + self.rng.exponential(self._domain_mean[fired])
+            self._redraw_domains(np.flatnonzero(self._domain_next <= end_s), end_s)

@@ -8,14 +8,22 @@ the max over holders); trials are processed in chunks of bounded memory.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from spare_jax.sim.failures import draw_lifetimes, interruption_threshold, make_placement
+from spare_jax import checks, strategies
+from spare_jax.analysis.endurance import CONVENTIONS
+from spare_jax.placement import Placement
+from spare_jax.scenario import FAILURE_LAWS, WEIBULL_SHAPES
+from spare_jax.sim.failures import RandomFailures, draw_lifetimes, interruption_threshold
+from spare_jax.sim.overheads import Overheads
 
 __all__ = ["epoch_overhead", "failures_to_interruption", "ratio_mean", "time_to_interruption"]
 
-CONVENTIONS = ("live", "any")
 _CHUNK_ELEMENTS = 2_000_000
+# Per-trial arrays hold G numbers; 10^7 groups is 80 MB a row (chunks bound the rest).
+_MAX_GROUPS = 10_000_000
 
 
 def _chunks(trials: int, width: int) -> list[int]:
@@ -23,10 +31,21 @@ def _chunks(trials: int, width: int) -> list[int]:
     return [min(size, trials - start) for start in range(0, trials, size)]
 
 
-def _check_trials(trials: int) -> int:
-    if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
-        raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
-    return int(trials)
+def _setup(strategy: str, groups: int, redundancy: int, trials: int, seed: int) -> Placement:
+    """The placement of a Monte Carlo run, every argument checked."""
+    groups = checks.integer("groups", groups, low=1)
+    if groups > _MAX_GROUPS:
+        raise ValueError(
+            f"groups must be <= {_MAX_GROUPS:,} (every trial holds G numbers), got {groups:,}"
+        )
+    checks.integer("trials", trials, low=1)
+    checks.integer("seed", seed, low=0)
+    return strategies.placement(strategy, groups, redundancy)
+
+
+def _check_law(law: str, weibull_shape: float) -> None:
+    checks.choice("law", law, FAILURE_LAWS)
+    checks.number("weibull_shape", weibull_shape, low=WEIBULL_SHAPES[0], high=WEIBULL_SHAPES[1])
 
 
 def failures_to_interruption(
@@ -43,11 +62,12 @@ def failures_to_interruption(
     No repair: dead groups stay dead. The count F of a trial is the index of the
     interrupting failure, so P(F > f) = P(no interruption after f failures) and
     E[F] = sum over f >= 0 of P(no interruption after f failures): the
-    quantity DESIGN.md section 3 and `analysis.endurable_failures` call the
-    endurable failures (G=60, r=2 stacking: 7.372).
+    quantity docs/design.md (6. Endurable failures) and
+    `analysis.endurable_failures` call the endurable failures (G=60, r=2
+    stacking: 7.372).
 
     Args:
-        strategy: "spare" (cyclic stacking), "replication" or "dp".
+        strategy: a strategy name of `spare_jax.strategies` ("spare": cyclic stacking).
         groups: G.
         redundancy: r (1 for "dp"; G divisible by r for "replication").
         trials: number of independent trials.
@@ -63,10 +83,8 @@ def failures_to_interruption(
     Returns:
         int64 [trials] failures to interruption.
     """
-    if convention not in CONVENTIONS:
-        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
-    trials = _check_trials(trials)
-    p = make_placement(strategy, groups, redundancy)
+    checks.choice("convention", convention, CONVENTIONS)
+    p = _setup(strategy, groups, redundancy, trials, seed)
     rng = np.random.default_rng(seed)
     out = []
     for size in _chunks(trials, groups):
@@ -111,7 +129,7 @@ def time_to_interruption(
     failure time of the shard's holders (no event loop).
 
     Args:
-        strategy: "spare" (cyclic stacking), "replication" or "dp".
+        strategy: a strategy name of `spare_jax.strategies`.
         groups: G.
         redundancy: r.
         group_mtbf_s: mean time to failure of one group, seconds.
@@ -123,10 +141,9 @@ def time_to_interruption(
     Returns:
         float [trials] times to interruption, seconds.
     """
-    trials = _check_trials(trials)
-    if not group_mtbf_s > 0:
-        raise ValueError(f"group_mtbf_s must be > 0, got {group_mtbf_s!r}")
-    p = make_placement(strategy, groups, redundancy)
+    checks.number("group_mtbf_s", group_mtbf_s, low=0.0, low_open=True)
+    _check_law(law, weibull_shape)
+    p = _setup(strategy, groups, redundancy, trials, seed)
     rng = np.random.default_rng(seed)
     out = []
     for size in _chunks(trials, groups):
@@ -160,17 +177,16 @@ def epoch_overhead(
         (integral of the overhead over the epoch, epoch length, worst overhead),
         float [trials] each.
     """
-    from spare_jax.sim.engine import Overheads  # local import: engine imports this package
-    from spare_jax.sim.failures import RandomFailures
-
-    trials = _check_trials(trials)
-    p = make_placement(strategy, groups, redundancy)
+    p = _setup(strategy, groups, redundancy, trials, seed)
+    microbatches = checks.integer("microbatches", microbatches, low=1, high=2**31 - 1)
+    strategies.check_policy(policy, exact=True)
+    _check_law(law, weibull_shape)
     rng = np.random.default_rng(seed)
     tracker = Overheads(p, microbatches, policy)
     integral, length, top = np.empty(trials), np.empty(trials), np.empty(trials)
     for i in range(trials):
         seg = RandomFailures(p, 1.0, law=law, weibull_shape=weibull_shape, rng=rng).segment(
-            0.0, np.inf
+            0.0, math.inf
         )
         count = seg.event_times.size - 1
         over = tracker.after_events(seg, count)
@@ -182,7 +198,18 @@ def epoch_overhead(
 
 
 def ratio_mean(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float, float]:
-    """Ratio-of-sums estimate and its delta-method standard error."""
+    """Ratio-of-sums estimate and its delta-method standard error.
+
+    Args:
+        numerator: float [n], n >= 1.
+        denominator: float [n], the same shape, with a non-zero sum.
+    """
+    numerator, denominator = np.asarray(numerator, float), np.asarray(denominator, float)
+    if numerator.ndim != 1 or numerator.shape != denominator.shape or numerator.size == 0:
+        raise ValueError(
+            f"numerator and denominator must be non-empty 1-D arrays of one shape, got "
+            f"{numerator.shape} and {denominator.shape}"
+        )
     n = numerator.size
     ratio = float(numerator.sum() / denominator.sum())
     resid = numerator - ratio * denominator
