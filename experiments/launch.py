@@ -56,12 +56,27 @@ _HANG_S = flags.DEFINE_float(
     "A job that records nothing for this long counts as hung: killed and relaunched.",
     lower_bound=1.0,
 )
+_SERVE = flags.DEFINE_integer(
+    "serve_port",
+    None,
+    "Only host the coordination service on this port for --processes workers started "
+    "elsewhere (a cluster's launcher), until killed; then every worker may die.",
+    lower_bound=1,
+    upper_bound=65535,
+)
 _GRACE_S = 5.0  # after the first worker leaves, the others have this long to follow
 # Worker settings for a job on one machine, unless given: a dead worker is seen
 # within seconds. (train.py's own defaults, 10 s, suit real clusters.)
 LOCAL_WORKER_FLAGS = {"heartbeat_s": 3, "collective_timeout_s": 2}
 
-OWN_FLAGS = ("processes", "devices_per_process", "kill", "max_relaunches", "hang_timeout_s")
+OWN_FLAGS = (
+    "processes",
+    "devices_per_process",
+    "kill",
+    "max_relaunches",
+    "hang_timeout_s",
+    "serve_port",
+)
 
 
 @dataclasses.dataclass
@@ -108,7 +123,14 @@ def _passthrough(argv: list[str]) -> list[str]:
             continue
         name = arg.lstrip("-").split("=", 1)[0]
         if name in OWN_FLAGS or (name.startswith("no") and name[2:] in OWN_FLAGS):
-            skip = "=" not in arg and name in ("processes", "devices_per_process", "kill")
+            skip = "=" not in arg and name in (
+                "processes",
+                "devices_per_process",
+                "kill",
+                "max_relaunches",
+                "hang_timeout_s",
+                "serve_port",
+            )
             continue
         out.append(arg)
     return out
@@ -242,7 +264,25 @@ def _note_relaunch(metrics: str, before: int, interrupted_at: int, started: floa
         time.sleep(0.05)
 
 
+def _serve_only(port: int, processes: int) -> None:
+    """Host the recoverable coordination service until this process is killed."""
+    heartbeat = train._HEARTBEAT_S.value
+    service = multihost.serve(port, processes, heartbeat)
+    print(
+        f"coordination service on port {port} for {processes} processes, heartbeat {heartbeat} s",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        service.shutdown()
+
+
 def main(argv: list[str]) -> None:
+    if _SERVE.value is not None:
+        _serve_only(_SERVE.value, _PROCESSES.value)
+        return
     config = train._config()
     for name, flag in (("steps", train._STEPS), ("seed", train._SEED)):
         if flag.value is not None:

@@ -32,7 +32,6 @@ import threading
 
 import jax
 from absl import flags, logging
-from ml_collections import config_flags
 from tqdm import tqdm
 
 from spare_jax import checkpoint, cli, experiment, liveness, multihost, strategies, trainer
@@ -40,11 +39,10 @@ from spare_jax import checkpoint, cli, experiment, liveness, multihost, strategi
 _DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "lm_tiny.py"
 )
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.config_file_flag(
     "config",
-    default=os.path.normpath(_DEFAULT_CONFIG),
-    help_string="Training config file (and variant: configs/lm_tiny.py:smoke).",
-    lock_config=True,
+    os.path.normpath(_DEFAULT_CONFIG),
+    "Training config file (and variant: configs/lm_tiny.py:smoke).",
 )
 _STRATEGY = flags.DEFINE_enum(
     "strategy", None, list(strategies.STRATEGIES), "Placement (default: config)."
@@ -158,15 +156,7 @@ def _config() -> object:
 
 def _workdir(path: str) -> str:
     """The work directory, created and checked before any work (one line and exit 2 if bad)."""
-    if not path:
-        cli.fail("--workdir must not be empty")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as err:
-        cli.fail(f"--workdir {path!r} cannot be created: {err.strerror}")
-    if not os.access(path, os.W_OK | os.X_OK):
-        cli.fail(f"--workdir {path!r} is not writable")
-    return path
+    return cli.output_dir("workdir", path)
 
 
 def _quiet_orbax() -> None:

@@ -50,9 +50,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The analysis's name for each strategy of the data plane.
-_ANALYSIS_STRATEGY = {"spare": "spare", "replication": "replication", "dp": "checkpoint_restart"}
-
 
 class NoUsableCheckpoint(RuntimeError):
     """Checkpoints exist but none of them restores."""
@@ -132,7 +129,7 @@ class IntervalModel:
         kind = strategies.canonical(self.strategy)
         estimate = analysis.time_to_train(
             scenario,
-            _ANALYSIS_STRATEGY[kind],
+            kind,
             redundancy=self.redundancy if kind != "dp" else 1,
             microbatches=self.microbatches,
             policy=policy,

@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-
 __all__ = [
     "AXES",
     "GROUP_AXES",
@@ -45,8 +44,8 @@ __all__ = [
     "logical_spec",
     "make_mesh",
     "num_groups",
-    "ring_size",
     "replicated",
+    "ring_size",
 ]
 
 AXES: tuple[str, str, str] = ("data", "redundancy", "model")
@@ -88,7 +87,7 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
     if need > len(devs):
         raise ValueError(
             f"mesh {dims} needs {need} devices but only {len(devs)} are available "
-            "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+            '(on CPU, jax.config.update("jax_num_cpu_devices", N) before JAX starts)'
         )
     return jax.make_mesh(dims, AXES, axis_types=(AxisType.Auto,) * 3, devices=devs[:need])
 

@@ -31,11 +31,11 @@ from spare_jax import checks
 __all__ = [
     "Placement",
     "cyclic",
-    "strided",
-    "domain_aware",
-    "replication",
     "data_parallel",
+    "domain_aware",
     "from_stacks",
+    "replication",
+    "strided",
 ]
 
 

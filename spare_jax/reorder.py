@@ -10,7 +10,7 @@ Ring placements (cyclic, strided, domain-aware stacking) are solved in O(G)
 vectorised passes per candidate load:
 
 * the optimum is the Hall bound over contiguous shard intervals of each ring
-    (DESIGN.md section 3), found by bisection on `L` with a prefix-minimum test;
+    (docs/design.md, section 4), found by bisection on `L` with a prefix-minimum test;
 * a load `L` is reached by a sweep against the ring direction in which each
     group takes, first-in first-out, the work its upper neighbours could not
     finish, then its own shard, up to `L`. The carried work obeys a Lindley
@@ -39,14 +39,11 @@ from spare_jax.placement import Placement
 __all__ = [
     "Assignment",
     "Interruption",
-    "POLICIES",
     "alive_mask",
     "assign",
     "max_load",
     "uncovered",
 ]
-
-POLICIES = strategies.EXACT_POLICIES
 
 
 class Interruption(Exception):

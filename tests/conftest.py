@@ -1,8 +1,9 @@
-"""Test set-up: eight simulated CPU devices, configured before JAX is imported."""
+"""Test set-up: eight simulated CPU devices, configured before JAX starts its backend."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)

@@ -1,7 +1,6 @@
-"""Checkpoints: Orbax saves at the policy's steps, restore skips junk, the interval is the model's."""
+"""Checkpoints: Orbax saves when told, restore skips junk, the model sets the interval."""
 
 import math
-import os
 
 import jax
 import numpy as np

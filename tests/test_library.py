@@ -8,14 +8,13 @@ on the same parameters (fp32 round-off: rtol 1e-5, atol 1e-6).
 
 from __future__ import annotations
 
-import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import linen, nnx
 
 import spare_jax
 from spare_jax import reorder
@@ -280,12 +279,12 @@ def test_bad_construction_names_the_argument():
     params, loss_fn, make_batch = pytree_family()
     mesh = spare_jax.make_mesh((1, 4, 2))
     cases = [
-        (dict(strategy="raid"), "strategy must be one of"),
-        (dict(redundancy=2.5), "redundancy must be an integer"),
-        (dict(redundancy=5), "must not exceed"),
-        (dict(microbatches=0), "microbatches must be >= 1"),
-        (dict(policy="greedy"), "policy must be one of"),
-        (dict(strategy="dp", redundancy=2), "redundancy 1"),
+        ({"strategy": "raid"}, "strategy must be one of"),
+        ({"redundancy": 2.5}, "redundancy must be an integer"),
+        ({"redundancy": 5}, "must not exceed"),
+        ({"microbatches": 0}, "microbatches must be >= 1"),
+        ({"policy": "greedy"}, "policy must be one of"),
+        ({"strategy": "dp", "redundancy": 2}, "redundancy 1"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -45,7 +45,7 @@ def test_logical_rules():
 
 
 def test_rings_on_the_mesh():
-    """SPARe's ring is the redundancy axis, or the whole machine when that axis is shorter than r."""
+    """The SPARe ring is the redundancy axis, or the whole machine when that axis is below r."""
     mesh = mesh_lib.make_mesh((2, 2, 2))
     assert mesh_lib.ring_size(mesh, 2) == 2
     assert mesh_lib.ring_size(mesh, 3) is None

@@ -193,16 +193,19 @@ def test_sparse_failures_cost_one_extra_microbatch():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(alive=np.ones(5, bool)), "shape"),
-        (dict(alive=np.ones(6, int)), "bool"),
-        (dict(microbatches=0), "microbatches"),
-        (dict(policy="greedy"), "policy"),
+        ({"alive": np.ones(5, bool)}, "shape"),
+        ({"alive": np.ones(6, int)}, "bool"),
+        ({"microbatches": 0}, "microbatches"),
+        ({"policy": "greedy"}, "policy"),
     ],
 )
 def test_bad_arguments(kwargs, match):
-    args = dict(
-        placement=placement.cyclic(6, 2), alive=np.ones(6, bool), microbatches=1, policy="adaptive"
-    )
+    args = {
+        "placement": placement.cyclic(6, 2),
+        "alive": np.ones(6, bool),
+        "microbatches": 1,
+        "policy": "adaptive",
+    }
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         reorder.assign(**args)
