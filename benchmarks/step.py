@@ -1,225 +1,430 @@
-"""Step-time benchmark of the failure-masked step: SPARe vs plain DP, and time vs load.
+"""Step-time benchmark of the public SPARe step: vs plain DP, through failures, and its wrapper.
 
-    python benchmarks/step.py                 # full table (a few minutes on 2 cores)
-    python benchmarks/step.py --steps=5       # quicker, noisier
+    python benchmarks/step.py                          # full tables (several minutes on 2 cores)
+    python benchmarks/step.py --steps=5                # quicker, noisier
+    python benchmarks/step.py --tiny --steps=2 --warmup=1 --out=/tmp/step.json   # smoke run
 
-Everything runs in one process on simulated CPU devices, side by side, and
-reports medians over ``--steps`` timed steps (after ``--warmup`` untimed ones);
-configurations that are compared are timed in interleaved rounds and their
-ratio is the median of the per-round ratios:
+Everything runs in one process on 8 simulated CPU devices with the project's
+LM, built through `spare_jax.make_train_step`. Configurations that are compared
+are timed in interleaved rounds (one call of each per round, in a rotating
+order, after ``--warmup`` untimed calls); a time is the median over the
+``--steps`` rounds and a ratio is the median of the per-round ratios, so load
+drifting on a shared machine hits both sides of a ratio alike.
 
 1. Failure-free SPARe (cyclic stacking, r = 2) vs plain data parallelism on the
-   same mesh, model and global batch: the time ratio (target <= 1.10).
-2. Through failures (whole shards m = 1 and m = 4): the measured step-time ratio
-   to the failure-free step vs the assignment's ``max_load / m`` (target within
-   15%). Every group walks ``max_load`` slots (SPMD), so on a CPU shared by all
-   simulated devices the work, and hence the time, also scales with the load.
-3. Memory: the host and device bytes of one step's stacked input vs one copy of
-   the global batch.
+   same mesh, model and global batch (meshes 2x2x2 and 8x1x1, m = 4): the time
+   ratio, target <= 1.10.
+2. Through failures (mesh 8x1x1, whole shards m = 1 and m = 4): each step's
+   time over the failure-free step vs the assignment's ``max_load / m``; the
+   affine fit of step time vs slots (a fixed cost per step plus a cost per
+   slot); and the control, failure-free plain DP walking the same number of
+   slots, timed in the same rounds, which SPARe through failures should match.
+3. Memory: bytes of one step's stacked input (r shards per group) vs one copy
+   of the global batch, on the host and on the devices.
+4. The public entry point ``step(state, batch, alive)`` (host batch, host live
+   mask, slot table cached) vs the bare jitted step ``step.run(state, stacks,
+   table)`` on inputs already placed, side by side, with what the wrapper adds
+   broken down: laying the host batch out as stacks and sending it
+   (``step.stacks``), the cached and uncached slot table, and the entry point
+   called with a batch that is already a device array.
+
+``--tiny`` shrinks the model and keeps one mesh (8x1x1) and whole shards: a
+smoke run for tests, whose figures are not measurements. ``--out`` writes the
+results as JSON to that one file (checked before anything is measured).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import sys
 import time
-
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from absl import flags
+import optax
+from absl import app, flags
 
-from spare_jax import cli, reorder
+import spare_jax
+from spare_jax import cli, experiment, reorder
 from spare_jax import data as data_lib
-from spare_jax import mesh as mesh_lib
 from spare_jax import model as model_lib
-from spare_jax import train_step as step_lib
 
-_STEPS = flags.DEFINE_integer("steps", 30, "Timed steps (rounds) per configuration.", lower_bound=1)
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps per configuration.", lower_bound=1)
-_OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
+_STEPS = flags.DEFINE_integer("steps", 30, "Timed rounds per comparison.", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per configuration.", lower_bound=1)
 _BATCH = flags.DEFINE_integer(
     "batch", 4, "Sequences per micro-batch (compute per slot).", lower_bound=1
 )
+_OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
+_TINY = flags.DEFINE_bool("tiny", False, "Tiny model, one mesh, m = 1 only: a smoke run.")
 
+DEVICES = 8
 MODEL = model_lib.ModelConfig(vocab=256, seq_len=64, d_model=128, heads=4, layers=2, d_ff=512)
+TINY_MODEL = model_lib.ModelConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=1, d_ff=32)
 
 
-class _Bench:
-    """One compiled step for a (mesh, placement, m); times live sets on it."""
+def check_out(path: str) -> None:
+    """Refuse an ``--out`` file that cannot be written, before anything is measured.
 
-    def __init__(self, mesh_shape: tuple[int, int, int], strategy: str, r: int, m: int):
-        self.mesh = mesh_lib.make_mesh(mesh_shape)
-        self.placement = mesh_lib.placement_for(strategy, self.mesh, r)
-        self.m = m
-        tx = step_lib.make_optimizer(1e-3, 10, 1000)
-        graphdef, self.state, shardings = step_lib.init_state(MODEL, tx, self.mesh, seed=0)
-        stack = self.placement.depth * self.placement.shard_units * m
-        self.step = step_lib.TrainStep(self.mesh, graphdef, tx, shardings, slot_bound=stack)
-        source = data_lib.MarkovSource(MODEL.vocab, MODEL.seq_len, _BATCH.value, seed=0)
-        self.host_tokens = data_lib.stack_inputs(source, self.placement, m, 0)
-        self.tokens = self.step.put_tokens(self.host_tokens)
+    Raises:
+        app.UsageError: the path names a directory, its directory does not
+            exist, or either is not writable.
+    """
+    if not path:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise app.UsageError(f"--out={path} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise app.UsageError(f"cannot write --out={path}: no directory {directory}")
+    if not os.access(directory, os.W_OK | os.X_OK) or (
+        os.path.exists(path) and not os.access(path, os.W_OK)
+    ):
+        raise app.UsageError(f"cannot write --out={path}: permission denied")
 
-    def plan(self, dead: list[int], policy: str = "adaptive") -> tuple[tuple[jax.Array, ...], int]:
-        """The device plan of a dead set and its max load."""
-        alive = reorder.alive_mask(self.placement.groups, dead)
-        plan = step_lib.plan_from_assignment(reorder.assign(self.placement, alive, self.m, policy))
-        return self.step.put_plan(plan), plan.max_load
 
-    def once(self, plan: tuple[jax.Array, ...]) -> float:
-        """Seconds of one step, dispatch to result."""
+@dataclasses.dataclass(frozen=True)
+class Lm:
+    """The project's LM as a user of the public API sees it: a loss, parameters, shardings."""
+
+    cfg: model_lib.ModelConfig
+    loss_fn: Callable[[Any, Any], jax.Array]
+    params: Any
+    specs: Any
+    tx: optax.GradientTransformation
+
+    @classmethod
+    def build(cls, cfg: model_lib.ModelConfig) -> Lm:
+        graphdef, params = model_lib.init_params(cfg, 0)
+        loss = functools.partial(model_lib.loss_fn, graphdef)
+        tx = experiment.make_optimizer(1e-3, 10, 1000)
+        return cls(cfg, loss, params, model_lib.param_specs(params), tx)
+
+
+class Bench:
+    """One `SpareStep` (mesh, strategy, r, m, policy), its state and one step's inputs."""
+
+    def __init__(
+        self,
+        lm: Lm,
+        mesh_shape: tuple[int, int, int],
+        strategy: str,
+        r: int,
+        m: int,
+        batch: int,
+        policy: str = "adaptive",
+    ):
+        self.mesh_shape, self.m = mesh_shape, m
+        self.step = spare_jax.make_train_step(
+            lm.loss_fn,
+            lm.tx,
+            spare_jax.make_mesh(mesh_shape),
+            strategy=strategy,
+            redundancy=r,
+            microbatches=m,
+            policy=policy,
+            param_specs=lm.specs,
+        )
+        self.label = f"{strategy} r={r} m={m} {'x'.join(map(str, mesh_shape))}"
+        source = data_lib.MarkovSource(lm.cfg.vocab, lm.cfg.seq_len, batch, seed=0)
+        self.batch = data_lib.global_batch(source, self.step.groups * m, 0)  # host int32
+        self.state = self.step.init(lm.params)
+        self.stacks = self.step.stacks(self.batch)
+
+    def alive(self, dead: Sequence[int] = ()) -> np.ndarray:
+        return reorder.alive_mask(self.step.groups, list(dead))
+
+    def run(self, table: Any) -> float:
+        """Seconds of the bare jitted step on placed inputs, dispatch to result."""
         t0 = time.perf_counter()
-        with jax.transfer_guard("disallow"):
-            self.state, metrics = self.step(self.state, self.tokens, plan)
-        jax.block_until_ready(metrics)
+        self.state, metrics = self.step.run(self.state, self.stacks, table)
+        jax.block_until_ready((self.state, metrics))
+        return time.perf_counter() - t0
+
+    def call(self, batch: Any, alive: np.ndarray) -> float:
+        """Seconds of the public entry point ``step(state, batch, alive)``."""
+        t0 = time.perf_counter()
+        self.state, metrics = self.step(self.state, batch, alive)
+        jax.block_until_ready((self.state, metrics["loss"]))
+        return time.perf_counter() - t0
+
+    def layout_then_run(self, alive: np.ndarray) -> float:
+        """Seconds of the same work spelled out: ``stacks``, ``table``, then ``run``."""
+        t0 = time.perf_counter()
+        stacks = self.step.stacks(self.batch)
+        table, _ = self.step.table(alive)
+        self.state, metrics = self.step.run(self.state, stacks, table)
+        jax.block_until_ready((self.state, metrics))
+        return time.perf_counter() - t0
+
+    def layout(self) -> float:
+        """Seconds to lay the host batch out as stacks and place them on the groups."""
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.step.stacks(self.batch))
         return time.perf_counter() - t0
 
 
-def _interleaved(
-    jobs: list[tuple[_Bench, tuple[jax.Array, ...]]],
-) -> tuple[list[float], list[float]]:
-    """Median step time of each job and its median time ratio to the first job.
+def interleaved(jobs: Sequence[Callable[[], float]]) -> np.ndarray:
+    """Seconds of every job in every round: float[rounds, jobs].
 
-    Every round times one step of every job back to back (in a rotating order),
-    and a job's ratio is the median over rounds of its time over the first
-    job's time in the same round, so load drifting on a shared machine hits
-    both sides of each ratio alike.
+    Each job is warmed up (and compiled) first; then every round calls every
+    job once, starting at a different job each round.
     """
-    for bench, plan in jobs:  # warm-up (and compilation) outside the timing
+    for job in jobs:
         for _ in range(_WARMUP.value):
-            bench.once(plan)
-    times = np.zeros((_STEPS.value, len(jobs)))
+            job()
+    times = np.empty((_STEPS.value, len(jobs)))
     for rnd in range(_STEPS.value):
         for k in np.roll(np.arange(len(jobs)), rnd):
-            bench, plan = jobs[k]
-            times[rnd, k] = bench.once(plan)
-    medians = np.median(times, axis=0).tolist()
-    ratios = np.median(times / times[:, :1], axis=0).tolist()
-    return medians, ratios
+            times[rnd, k] = jobs[k]()
+    return times
 
 
-def _device_bytes(array: jax.Array) -> int:
-    return sum(s.data.nbytes for s in array.addressable_shards)
+def ratio(times: np.ndarray, a: int, b: int) -> float:
+    """Median over rounds of job ``a``'s time over job ``b``'s."""
+    return float(np.median(times[:, a] / times[:, b]))
+
+
+def mesh_name(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape))
+
+
+class Benches:
+    """Benches built once and shared between sections (each costs a compilation)."""
+
+    def __init__(self, lm: Lm, batch: int):
+        self.lm, self.batch = lm, batch
+        self._made: dict[tuple, Bench] = {}
+
+    def get(self, shape: tuple[int, int, int], strategy: str, r: int, m: int, policy="adaptive"):
+        key = (shape, strategy, r, m, policy)
+        if key not in self._made:
+            self._made[key] = Bench(self.lm, shape, strategy, r, m, self.batch, policy)
+        return self._made[key]
+
+
+def spare_vs_dp(benches: Benches, meshes: Sequence[tuple], m: int) -> list[dict[str, Any]]:
+    """Section 1: failure-free SPARe r = 2 vs plain DP, same mesh, model and global batch."""
+    print("\n1. failure-free SPARe (r=2) vs plain DP, same mesh, model and global batch")
+    print(f"{'mesh':>6} {'m':>2} {'dp s':>9} {'spare s':>9} {'ratio':>6}  target <= 1.10")
+    rows = []
+    for shape in meshes:
+        dp, spare = benches.get(shape, "dp", 1, m), benches.get(shape, "spare", 2, m)
+        dp_table, spare_table = dp.step.table(dp.alive())[0], spare.step.table(spare.alive())[0]
+        times = interleaved(
+            [functools.partial(dp.run, dp_table), functools.partial(spare.run, spare_table)]
+        )
+        t_dp, t_spare = np.median(times, axis=0)
+        row = {"mesh": list(shape), "m": m, "dp_s": t_dp, "spare_s": t_spare}
+        rows.append({**row, "ratio": ratio(times, 1, 0)})
+        print(f"{mesh_name(shape):>6} {m:>2} {t_dp:9.4f} {t_spare:9.4f} {rows[-1]['ratio']:6.3f}")
+    return rows
+
+
+def through_failures(benches: Benches, m: int, cases: Sequence[tuple]) -> dict[str, Any]:
+    """Section 2 for one m: time ratio vs max_load / m, the affine fit, the DP control."""
+    shape = (8, 1, 1)
+    runs = []
+    for dead, policy in cases:
+        bench = benches.get(shape, "spare", 2, m, policy)
+        table, load = bench.step.table(bench.alive(dead))
+        runs.append((dead, policy, bench, table, load))
+    loads = sorted({load for *_, load in runs})
+    controls = {load: benches.get(shape, "dp", 1, load) for load in loads}
+    control_tables = {load: c.step.table(c.alive())[0] for load, c in controls.items()}
+    jobs = [functools.partial(b.run, t) for _, _, b, t, _ in runs]
+    jobs += [functools.partial(controls[load].run, control_tables[load]) for load in loads]
+    times = interleaved(jobs)
+    medians = np.median(times, axis=0)
+    base_control = len(runs) + loads.index(m)  # DP walking m slots, failure-free
+    rows = []
+    for k, (dead, policy, _, _, load) in enumerate(runs):
+        r_time = ratio(times, k, 0)
+        ctl = len(runs) + loads.index(load)
+        row = {
+            "r": 2,
+            "m": m,
+            "policy": policy,
+            "dead": list(dead),
+            "max_load": load,
+            "expected": load / m,
+            "time_s": float(medians[k]),
+            "ratio": r_time,
+            "deviation": r_time / (load / m) - 1,
+            "control": ratio(times, ctl, base_control),
+            "vs_control": ratio(times, k, ctl) - 1,
+        }
+        rows.append(row)
+        print(
+            f"{2:>2} {m:>2} {policy:>8} {dead!s:>10} {load:>3} {load / m:6.3f} "
+            f"{row['time_s']:8.4f} {r_time:6.3f} {row['deviation']:+7.1%} "
+            f"{row['control']:8.3f} {row['vs_control']:+7.1%}"
+        )
+    # Step time = a fixed cost per step (optimizer, psum, dispatch) + a cost per slot.
+    slope, fixed = np.polyfit([row["max_load"] for row in rows], medians[: len(runs)], 1)
+    fit = {"m": m, "fixed_s": float(fixed), "per_slot_s": float(slope)}
+    fit["fixed_share"] = float(fixed / medians[0])
+    print(
+        f"   fit m={m}: step = {fixed:.4f} s fixed + {slope:.4f} s per slot "
+        f"(fixed share of the failure-free step {fit['fixed_share']:.0%})"
+    )
+    return {"rows": rows, "fit": fit}
+
+
+def memory(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[str, Any]]:
+    """Section 3: stacked input bytes vs one global batch (arithmetic, host and device arrays)."""
+    print("\n3. memory of one step's input: stacks of r shards vs one copy of the global batch")
+    print(
+        f"{'step':>18} {'host stacked':>13} {'global batch':>13} {'extra':>10} {'factor':>6} "
+        f"{'device stacked':>15}"
+    )
+    rows = []
+    for shape in shapes:
+        for strategy, r in (("dp", 1), ("spare", 2)):
+            bench = benches.get(shape, strategy, r, m)
+            seq_len = benches.lm.cfg.seq_len
+            b = data_lib.stack_bytes(bench.step.placement, m, benches.batch, seq_len)
+            stacked = sum(x.nbytes for x in jax.tree.leaves(bench.stacks))  # global array bytes
+            device = sum(s.data.nbytes for s in bench.stacks.addressable_shards)
+            if stacked != b["stacked"] or bench.batch.nbytes != b["global_batch"]:
+                raise AssertionError(f"{bench.label}: stack_bytes disagrees with the arrays")
+            rows.append({"step": bench.label, **b, "device_stacked": device})
+            print(
+                f"{bench.label:>18} {b['stacked']:>13,} {b['global_batch']:>13,} "
+                f"{b['extra']:>10,} {b['factor']:>6} {device:>15,}"
+            )
+    print("(device bytes count every model-axis copy of a group's stack)")
+    return rows
+
+
+def entry_point(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[str, Any]]:
+    """Section 4: ``step(state, batch, alive)`` vs ``step.run(state, stacks, table)``."""
+    print(
+        "\n4. public entry point step(state, batch, alive) vs the bare jitted step "
+        "step.run(state, stacks, table) on placed inputs"
+    )
+    print(
+        f"{'step':>18} {'run s':>8} {'entry s':>8} {'ratio':>6} {'spelled':>8} {'ratio':>6} "
+        f"{'stacks s':>9} {'table hit':>10} {'table miss':>11} {'dev batch s':>12}"
+    )
+    rows = []
+    for shape in shapes:
+        bench = benches.get(shape, "spare", 2, m)
+        alive = bench.alive()
+        table, _ = bench.step.table(alive)
+        device_batch = jax.device_put(bench.batch)
+        times = interleaved(
+            [
+                functools.partial(bench.run, table),
+                functools.partial(bench.call, bench.batch, alive),
+                functools.partial(bench.layout_then_run, alive),
+                bench.layout,
+                functools.partial(bench.call, device_batch, alive),
+            ]
+        )
+        med = np.median(times, axis=0)
+        hits = []
+        for _ in range(max(_STEPS.value, 10)):
+            t0 = time.perf_counter()
+            bench.step.table(alive)
+            hits.append(time.perf_counter() - t0)
+        misses = []
+        for g in range(bench.step.groups):  # each live set is new to the cache once
+            t0 = time.perf_counter()
+            bench.step.table(bench.alive([g]))
+            misses.append(time.perf_counter() - t0)
+        row = {
+            "step": bench.label,
+            "run_s": float(med[0]),
+            "entry_s": float(med[1]),
+            "entry_vs_run": ratio(times, 1, 0),
+            "spelled_out_s": float(med[2]),
+            "entry_vs_spelled_out": ratio(times, 1, 2),
+            "stacks_s": float(med[3]),
+            "table_hit_s": float(np.median(hits)),
+            "table_miss_s": float(np.median(misses)),
+            "device_batch_entry_s": float(med[4]),
+            "device_batch_vs_run": ratio(times, 4, 0),
+            "compiles": bench.step.compiles,
+        }
+        rows.append(row)
+        print(
+            f"{bench.label:>18} {row['run_s']:8.4f} {row['entry_s']:8.4f} "
+            f"{row['entry_vs_run']:6.3f} {row['spelled_out_s']:8.4f} "
+            f"{row['entry_vs_spelled_out']:6.3f} {row['stacks_s']:9.4f} "
+            f"{row['table_hit_s'] * 1e6:8.1f}us {row['table_miss_s'] * 1e3:9.2f}ms "
+            f"{row['device_batch_entry_s']:12.4f}"
+        )
+    print(
+        "(entry / run: what the wrapper costs over pre-placed inputs, mostly the host layout "
+        "and transfer (stacks s); entry / spelled: the wrapper vs calling stacks, table and run "
+        "yourself, as spare_jax.trainer does; dev batch: the entry point given a jax.Array batch)"
+    )
+    return rows
 
 
 def main(argv: list[str]) -> None:
     del argv
+    check_out(_OUT.value)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", DEVICES)
+    if jax.device_count() < DEVICES:
+        raise app.UsageError(f"need {DEVICES} CPU devices, JAX has {jax.device_count()}")
+    tiny = _TINY.value
+    lm = Lm.build(TINY_MODEL if tiny else MODEL)
+    meshes = [(8, 1, 1)] if tiny else [(2, 2, 2), (8, 1, 1)]
+    m_free = 1 if tiny else 4
     print(
-        f"devices: {jax.device_count()} x {jax.devices()[0].platform}, "
-        f"host cores: {os.cpu_count()}, "
-        f"model {MODEL}, batch {_BATCH.value} sequences per micro-batch; "
-        f"medians of {_STEPS.value} steps"
+        f"devices: {jax.device_count()} x {jax.devices()[0].platform}, host cores: "
+        f"{os.cpu_count()}, model {lm.cfg}, {_BATCH.value} sequences per micro-batch; "
+        f"medians of {_STEPS.value} interleaved rounds after {_WARMUP.value} warm-up calls"
+        + (" (--tiny: a smoke run, not a measurement)" if tiny else "")
     )
-    results: dict[str, list] = {"spare_vs_dp": [], "load": [], "memory": []}
-
-    print("\n1. failure-free SPARe (r=2) vs plain DP, same mesh, model and global batch")
-    print(f"{'mesh':>9} {'m':>2} {'dp s':>9} {'spare s':>9} {'ratio':>6}")
-    benches = {}
-    for shape in [(2, 2, 2), (8, 1, 1)]:
-        m = 4
-        dp = _Bench(shape, "dp", 1, m)
-        spare = _Bench(shape, "spare", 2, m)
-        benches[shape] = (dp, spare)
-        (t_dp, t_spare), (_, ratio) = _interleaved(
-            [(dp, dp.plan([])[0]), (spare, spare.plan([])[0])]
-        )
-        results["spare_vs_dp"].append(
-            {"mesh": shape, "m": m, "dp_s": t_dp, "spare_s": t_spare, "ratio": ratio}
-        )
-        print(f"{'x'.join(map(str, shape)):>9} {m:>2} {t_dp:9.4f} {t_spare:9.4f} {ratio:6.3f}")
+    benches = Benches(lm, _BATCH.value)
+    results: dict[str, Any] = {
+        "config": {
+            "steps": _STEPS.value,
+            "warmup": _WARMUP.value,
+            "batch": _BATCH.value,
+            "tiny": tiny,
+            "model": dataclasses.asdict(lm.cfg),
+            "cores": os.cpu_count(),
+        }
+    }
+    results["spare_vs_dp"] = spare_vs_dp(benches, meshes, m_free)
 
     print(
-        "\n2. step time through failures vs the assignment's max_load / m "
-        "(mesh 8x1x1, one ring of 8)"
+        "\n2. step time through failures vs the assignment's max_load / m (mesh 8x1x1, one ring "
+        "of 8); control: failure-free DP walking the same slot count, same rounds"
     )
     print(
         f"{'r':>2} {'m':>2} {'policy':>8} {'dead':>10} {'L':>3} {'L/m':>6} {'time s':>8} "
-        f"{'ratio':>6} {'dev':>7}"
+        f"{'ratio':>6} {'vs L/m':>7} {'control':>8} {'vs ctl':>7}"
     )
-    cases = {
-        1: [([], "adaptive"), ([3], "adaptive"), ([1, 5], "adaptive")],
-        4: [
-            ([], "adaptive"),
-            ([3], "adaptive"),
-            ([1, 5], "adaptive"),
-            ([1, 4, 6], "adaptive"),
-            ([3], "fixed"),
-        ],
-    }
+    cases = {1: [((), "adaptive"), ((3,), "adaptive"), ((1, 5), "adaptive")]}
+    if not tiny:
+        cases[4] = [
+            ((), "adaptive"),
+            ((3,), "adaptive"),
+            ((1, 5), "adaptive"),
+            ((1, 4, 6), "adaptive"),
+            ((3,), "fixed"),
+        ]
+    results["load"], results["fit"] = [], []
     for m, runs in cases.items():
-        bench = benches[(8, 1, 1)][1] if m == 4 else _Bench((8, 1, 1), "spare", 2, m)
-        plans = [bench.plan(dead, policy) for dead, policy in runs]
-        times, ratios = _interleaved([(bench, plan) for plan, _ in plans])
-        for (dead, policy), (_, load), t, ratio in zip(runs, plans, times, ratios):
-            expected = load / m
-            dev = ratio / expected - 1
-            results["load"].append(
-                {
-                    "r": 2,
-                    "m": m,
-                    "policy": policy,
-                    "dead": dead,
-                    "max_load": load,
-                    "expected": expected,
-                    "time_s": t,
-                    "ratio": ratio,
-                    "deviation": dev,
-                }
-            )
-            print(
-                f"{2:>2} {m:>2} {policy:>8} {dead!s:>10} {load:>3} {expected:6.3f} {t:8.4f} "
-                f"{ratio:6.3f} "
-                f"{dev:+7.1%}"
-            )
-        # Step time = fixed per-step cost (optimizer update, psum, dispatch) + cost per slot.
-        slope, fixed = np.polyfit([load for _, load in plans], times, 1)
-        print(
-            f"   fit m={m}: step = {fixed:.4f} s fixed + {slope:.4f} s per slot "
-            f"(fixed share of the failure-free step {fixed / times[0]:.0%})"
-        )
-        # Control: failure-free plain DP walking the same number of slots (m' = L).
-        loads = sorted({load for _, load in plans})
-        controls = [_Bench((8, 1, 1), "dp", 1, load) for load in loads]
-        c_times, c_ratios = _interleaved([(c, c.plan([])[0]) for c in controls])
-        control = dict(zip(loads, c_ratios))
-        for (dead, policy), (_, load), ratio in zip(runs, plans, ratios):
-            print(
-                f"   control m={m} {policy:>8} dead {dead!s:>10}: DP with {load} slots runs "
-                f"{control[load]:.3f}x its {loads[0]}-slot step; SPARe {ratio:.3f}x "
-                f"({ratio / control[load] - 1:+.1%})"
-            )
-            results["load"][-len(runs) + runs.index((dead, policy))]["control"] = control[load]
-
-    print("\n3. memory of one step's input: stacks of r shards vs one copy of the global batch")
-    print(
-        f"{'placement':>22} {'host stacked':>13} {'global batch':>13} {'extra':>10} "
-        f"{'device stacked':>15}"
-    )
-    for shape, (dp, spare) in benches.items():
-        for bench in (dp, spare):
-            b = data_lib.stack_bytes(bench.placement, bench.m, _BATCH.value, MODEL.seq_len)
-            dev = _device_bytes(bench.tokens)
-            label = (
-                f"{bench.placement.kind} r={bench.placement.redundancy} {'x'.join(map(str, shape))}"
-            )
-            assert b["stacked"] == bench.host_tokens.nbytes
-            results["memory"].append({"placement": label, **b, "device_stacked": dev})
-            print(
-                f"{label:>22} {b['stacked']:>13,} {b['global_batch']:>13,} {b['extra']:>10,} "
-                f"{dev:>15,}"
-            )
-    print(
-        "(device bytes count every model-axis replica of a group's stack; parameters and optimizer "
-        "state are identical for all strategies)"
-    )
+        out = through_failures(benches, m, runs)
+        results["load"] += out["rows"]
+        results["fit"].append(out["fit"])
+    results["memory"] = memory(benches, meshes, m_free)
+    results["entry_point"] = entry_point(benches, meshes, m_free)
     if _OUT.value:
-        with open(_OUT.value, "w") as f:
+        with cli.replace_file(_OUT.value) as f:
             json.dump(results, f, indent=1)
+        print(f"\nwrote {_OUT.value}")
 
 
 if __name__ == "__main__":

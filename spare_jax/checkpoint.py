@@ -135,6 +135,11 @@ class IntervalModel:
             policy=policy,
         )
         tau = estimate.checkpoint_interval_s
+        if not math.isfinite(estimate.time_to_train_s):
+            # No interval finishes the run in the model (saves outlast the mean time
+            # to interruption): the renewal optimum of the save cost alone is the
+            # best the model can say.
+            tau = analysis.exact_optimum(stall_s, estimate.mean_time_to_interruption_s)
         steps = self.steps if not math.isfinite(tau) else round(tau / step_s)
         figures = {
             "step_s": step_s,

@@ -161,7 +161,7 @@ class _BatchLayout:
     """What a batch looks like: its structure, leaf shapes after the unit axis, rows per unit."""
 
     treedef: Any
-    rest: tuple[tuple[tuple[int, ...], Any], ...]
+    rest: tuple[tuple[int, ...], ...]
     rows: int
 
 
@@ -219,6 +219,7 @@ class SpareStep:
         self._rep = mesh_lib.replicated(mesh)
         self._jitted: dict[int, Callable[..., Any]] = {}
         self._aot: dict[int, Any] = {}  # ahead-of-time executables by slot bound
+        self._gathers: dict[int, Callable[..., Any]] = {}  # device-batch layout, by rows
 
     # ------------------------------------------------------------------ state
 
@@ -311,7 +312,7 @@ class SpareStep:
             raise ValueError(
                 f"batch must have G*m*b rows (a positive multiple of G*m = {units}), got {n}"
             )
-        rest = tuple((tuple(np.shape(x)[1:]), np.result_type(x)) for x in leaves)
+        rest = tuple(tuple(np.shape(x)[1:]) for x in leaves)
         return _BatchLayout(treedef, rest, n // units)
 
     def stacks(self, batch: Any) -> Any:
@@ -332,9 +333,13 @@ class SpareStep:
         return jax.tree.map(stack, batch)
 
     def _gather(self, x: jax.Array, rows: int) -> jax.Array:
-        ids = self._unit_ids
-        fn = jax.jit(lambda v: v.reshape(-1, rows, *v.shape[1:])[ids], out_shardings=self._group)
-        return fn(x)
+        """A device batch laid out as stacks on device (one compiled gather per row count)."""
+        if rows not in self._gathers:
+            ids = self._unit_ids
+            self._gathers[rows] = jax.jit(
+                lambda v: v.reshape(-1, rows, *v.shape[1:])[ids], out_shardings=self._group
+            )
+        return self._gathers[rows](x)
 
     def _check_loss(self, state: TrainState, stacks: Any) -> None:
         key = jax.tree.structure(stacks), tuple((x.shape, x.dtype) for x in jax.tree.leaves(stacks))

@@ -124,3 +124,23 @@ def test_no_failure_rate_falls_back_to_the_gpu_mtbf():
 def test_param_checksum_is_the_float64_sum_of_squares():
     params = {"a": np.full((3,), 2.0, np.float32), "b": [np.ones((2, 2), np.float32)]}
     assert checkpoint.param_checksum(params) == pytest.approx(3 * 4.0 + 4 * 1.0)
+
+
+def test_when_no_interval_finishes_the_run_the_save_cost_optimum_is_used():
+    model = checkpoint.IntervalModel(
+        strategy="dp",
+        redundancy=1,
+        microbatches=1,
+        policy="adaptive",
+        groups=4,
+        devices_per_group=2,
+        steps=10_000,
+        failure_rate=0.05,
+        gpu_mtbf_hours=5.1e4,
+    )
+    scenario = model.scenario(0.1, 50.0, 50.0, 1.0)  # saves far longer than the MTTI
+    assert math.isinf(analysis.time_to_train(scenario, "dp").time_to_train_s)
+    steps, figures = model.interval(0.1, 50.0, 50.0, 1.0)
+    expected = analysis.exact_optimum(50.0, figures["mtti_s"])
+    assert figures["interval_s"] == pytest.approx(expected)
+    assert steps == min(max(round(expected / 0.1), 1), 10_000)

@@ -1,0 +1,153 @@
+"""The data-plane benchmarks (step, checkpoint) run on their tiny settings and report sane figures.
+
+Each runs as a subprocess, as a person runs it, and writes its ``--out`` JSON
+into a temporary directory. Times must be positive and ratios finite, and
+every figure that the library determines must be the library's: the loads
+against `spare_jax.reorder`, the stacked bytes against the placement, the
+Young and Daly intervals recomputed from the printed C and M, the MTTI
+inversely proportional to the failure rate, the interval within the run. An
+unwritable ``--out`` must be refused on one line with status 2 before
+anything is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from spare_jax import analysis, placement, reorder
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300  # each run takes tens of seconds; a busy 2-core host stretches that
+
+
+def _run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a benchmark; `subprocess.run` kills it if it outlives TIMEOUT_S."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def test_step_benchmark_tiny(tmp_path):
+    out = tmp_path / "step.json"
+    result = _run("step.py", "--tiny", "--steps=2", "--warmup=1", f"--out={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for heading in ("1. failure-free", "2. step time", "3. memory", "4. public entry point"):
+        assert heading in result.stdout, result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step.json"]
+    res = json.loads(out.read_text())
+    assert res["config"]["tiny"] and res["config"]["steps"] == 2
+
+    (row,) = res["spare_vs_dp"]
+    assert row["mesh"] == [8, 1, 1]
+    assert _positive(row["dp_s"]) and _positive(row["spare_s"]) and _positive(row["ratio"])
+
+    ring = placement.cyclic(8, 2)  # mesh 8x1x1, r = 2: one ring of all 8 groups
+    rows = res["load"]
+    assert [r["dead"] for r in rows] == [[], [3], [1, 5]]
+    for r in rows:
+        alive = reorder.alive_mask(8, r["dead"])
+        assert r["max_load"] == reorder.max_load(ring, alive, r["m"], r["policy"])
+        assert r["expected"] == r["max_load"] / r["m"]
+        assert _positive(r["time_s"]) and _positive(r["ratio"]) and _positive(r["control"])
+        assert math.isfinite(r["deviation"]) and math.isfinite(r["vs_control"])
+    assert rows[0]["ratio"] == 1.0 and rows[0]["control"] == 1.0  # each against itself
+    (fit,) = res["fit"]
+    assert math.isfinite(fit["fixed_s"]) and math.isfinite(fit["per_slot_s"])
+
+    memory = {r["step"].split()[0]: r for r in res["memory"]}
+    assert set(memory) == {"dp", "spare"}
+    for name, r_stack in (("dp", 1), ("spare", 2)):
+        m = memory[name]
+        assert m["stacked"] == r_stack * m["global_batch"] > 0
+        assert m["extra"] == m["stacked"] - m["global_batch"] and m["factor"] == r_stack
+        assert m["device_stacked"] == m["stacked"]  # 8x1x1: one device per group
+
+    (entry,) = res["entry_point"]
+    for key in ("run_s", "entry_s", "spelled_out_s", "stacks_s", "device_batch_entry_s"):
+        assert _positive(entry[key]), key
+    for key in ("entry_vs_run", "entry_vs_spelled_out", "device_batch_vs_run"):
+        assert _positive(entry[key]), key
+    assert entry["table_hit_s"] < entry["table_miss_s"]  # a cached live set skips the solve
+    assert entry["compiles"] == 1  # new live sets and both entry points share one program
+
+
+def test_checkpoint_benchmark_tiny(tmp_path):
+    out_dir, scratch = tmp_path / "out", tmp_path / "tmp"
+    out_dir.mkdir()
+    scratch.mkdir()
+    out = out_dir / "checkpoint.json"
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    result = _run(
+        "checkpoint.py",
+        "--config=configs/lm_tiny.py:smoke",
+        "--repeats=1",
+        "--steps=2",
+        f"--out={out}",
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for heading in ("(a) save", "(b) restore", "(c) checkpoint interval"):
+        assert heading in result.stdout, result.stdout
+    assert [p.name for p in out_dir.iterdir()] == ["checkpoint.json"]
+    assert list(scratch.iterdir()) == []  # its checkpoint directory is temporary
+    res = json.loads(out.read_text())
+
+    step_s = res["step_s"]
+    assert _positive(step_s)
+    for mode in ("async", "blocking"):
+        s = res["save"][mode]
+        assert _positive(s["stall_s"]) and s["save_s"] >= s["stall_s"]
+        assert _positive(s["restore_s"]) and s["restore_wall_s"] >= s["restore_s"]
+    assert _positive(res["async_over_blocking_stall"])
+
+    rows = res["intervals"]
+    run_steps = res["config"]["run_steps"]
+    assert len(rows) == 6 and {r["rate"] for r in rows} == {1e-3, 1e-2, 5e-2}
+    for r in rows:
+        c, m = r["C_s"], r["mtti_s"]
+        assert c == res["save"][r["mode"]]["stall_s"] and _positive(m)
+        assert isinstance(r["model_steps"], int) and 1 <= r["model_steps"] <= run_steps
+        capped = r["model_steps"] in (1, run_steps)
+        if math.isfinite(r["model_s"]) and not capped:
+            assert r["model_steps"] == round(r["model_s"] / step_s)
+        assert r["young_s"] == pytest.approx(math.sqrt(2 * c * m), rel=1e-12)
+        assert r["daly_s"] == pytest.approx(analysis.daly(c, m), rel=1e-12)
+        assert r["young_steps"] == pytest.approx(r["young_s"] / step_s, rel=1e-12)
+        if c < 2 * m:  # Daly's higher-order terms shorten Young's interval by about 2C/3
+            assert r["daly_s"] < r["young_s"]
+        else:
+            assert r["daly_s"] == m
+        assert r["model_over_young"] == pytest.approx(r["model_s"] / r["young_s"], rel=1e-12)
+        assert r["model_ttt_s"] > 0  # infinite when no interval lets the run finish (starred)
+    starred = any(not math.isfinite(r["model_ttt_s"]) for r in rows)
+    assert ("* the model's expected time-to-train is infinite" in result.stdout) == starred
+    # The model's MTTI scales with the group MTBF, i.e. with 1 / rate, whatever the save figures.
+    scaled = [r["mtti_s"] * r["rate"] / step_s for r in rows]
+    assert scaled == pytest.approx([scaled[0]] * len(rows), rel=1e-9), scaled
+
+
+@pytest.mark.parametrize("script, target", [("step.py", "missing/x.json"), ("checkpoint.py", ".")])
+def test_unwritable_out_is_refused_before_measuring(script, target, tmp_path):
+    result = _run(script, f"--out={tmp_path / target}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--out" in lines[0], result.stderr
+    assert result.stdout == ""  # nothing measured
+    assert list(tmp_path.iterdir()) == []
