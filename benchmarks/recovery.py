@@ -92,11 +92,18 @@ def _run(workdir: str, args: list[str], kills: list[str], kill_step: int) -> lis
     return read_records(os.path.join(workdir, "metrics.jsonl"))
 
 
-def _figures(records: list[dict]) -> dict[str, float]:
-    """The recovery breakdown of one job, from its events."""
+def _figures(records: list[dict], expect_relaunch: bool) -> dict[str, float]:
+    """The recovery breakdown of one job, from its events.
+
+    A relaunch where the survivors should have carried on means a live worker
+    missed its heartbeats (a busy host) and was declared dead: a false alarm,
+    counted apart.
+    """
     events = {r["event"]: r for r in records if "event" in r}
     steps = [r["step_time_s"] + r.get("data_time_s", 0.0) for r in records if "loss" in r]
     median_step = statistics.median(steps[1:]) if len(steps) > 1 else float("nan")
+    if "relaunch" in events and not expect_relaunch:
+        return {"false_alarm": 1.0}
     if "relaunch" in events:
         relaunch = events["relaunch"]
         lost = relaunch["lost_steps"] * median_step
@@ -130,7 +137,7 @@ def main(argv: list[str]) -> None:
             workdir = os.path.join(
                 base, f"{name.split(',')[0].replace(' ', '_')}-{len(kills)}-{rep}"
             )
-            figures = _figures(_run(workdir, args, kills, kill_step))
+            figures = _figures(_run(workdir, args, kills, kill_step), len(kills) > 1)
             results.setdefault(name, []).append(figures)
             print(
                 f"{name} #{rep}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()),

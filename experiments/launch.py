@@ -191,10 +191,15 @@ class Job:
                 elif line.strip():
                     worker.last_error = line.strip()
 
-    def wait(self, metrics_path: str, hang_s: float) -> list[Worker]:
-        """Block until every worker has left (or the job hangs, then kill it); return them."""
+    def wait(self, metrics_path: str, hang_s: float, pending: Relaunch | None) -> list[Worker]:
+        """Block until every worker has left (or the job hangs, then kill it); return them.
+
+        ``pending``: the relaunch that started this job, recorded once it resumes.
+        """
         first_exit = None
         while True:
+            if pending is not None and pending.note():
+                pending = None
             alive = [w for w in self.workers if w.proc.poll() is None]
             if not alive:
                 return self.workers
@@ -240,28 +245,34 @@ def _append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _note_relaunch(metrics: str, before: int, interrupted_at: int, started: float) -> None:
-    """Once the new job has resumed, record the relaunch (the rollback it was)."""
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        records = read_records(metrics)
-        resumed = [r for r in records[before:] if r.get("event") in ("resume",) or "loss" in r]
-        if resumed:
-            first = resumed[0]
-            to = first["step"]
-            _append(
-                metrics,
-                {
-                    "event": "relaunch",
-                    "to_step": to,
-                    "lost_steps": max(interrupted_at - to, 0),
-                    "relaunch_s": round(time.time() - started, 6),
-                    "attempt": first.get("attempt"),
-                    "rolled_back": True,
-                },
-            )
-            return
-        time.sleep(0.05)
+@dataclasses.dataclass
+class Relaunch:
+    """A relaunch not yet on record: it is, once the new job has restored its state."""
+
+    metrics: str
+    seen: int  # records on file when the interrupted job ended
+    interrupted_at: int
+    started: float
+
+    def note(self) -> bool:
+        """Append the ``relaunch`` event if the new job has resumed; True once done."""
+        records = read_records(self.metrics)[self.seen :]
+        resumed = [r for r in records if r.get("event") == "resume" or "loss" in r]
+        if not resumed:
+            return False
+        to = resumed[0]["step"]
+        _append(
+            self.metrics,
+            {
+                "event": "relaunch",
+                "to_step": to,
+                "lost_steps": max(self.interrupted_at - to, 0),
+                "relaunch_s": round(time.time() - self.started, 6),
+                "attempt": resumed[0].get("attempt"),
+                "rolled_back": True,
+            },
+        )
+        return True
 
 
 def _serve_only(port: int, processes: int) -> None:
@@ -312,14 +323,16 @@ def main(argv: list[str]) -> None:
         if not flags.FLAGS[name].present:
             args.append(f"--{name}={value}")
     relaunches = 0
-    watchers: list[threading.Thread] = []
+    pending: Relaunch | None = None
     while True:
         before = len(read_records(metrics))
         job = Job(launch_dir, args, k, dpp, kills)
         try:
-            workers = job.wait(metrics, _HANG_S.value)
+            workers = job.wait(metrics, _HANG_S.value, pending)
         finally:
             job.kill()
+        if pending is not None and pending.note():
+            pending = None
         fired = {w.index for w in workers if w.killed}
         kills = {p: s for p, s in kills.items() if p not in fired}  # each kill fires once
         codes = {w.index: w.proc.returncode for w in workers if not w.killed}
@@ -334,17 +347,9 @@ def main(argv: list[str]) -> None:
         if relaunches > _MAX_RELAUNCHES.value:
             sys.stderr.write(f"launch.py: gave up after {_MAX_RELAUNCHES.value} relaunches\n")
             sys.exit(train.EXIT_ROLLBACKS)
-        interrupted_at = _last_step(read_records(metrics)[before:])
-        started = time.time()
-        watcher = threading.Thread(
-            target=_note_relaunch,
-            args=(metrics, len(read_records(metrics)), interrupted_at, started),
-            daemon=True,
-        )
-        watcher.start()
-        watchers.append(watcher)
-    for watcher in watchers:
-        watcher.join(timeout=60)
+        if pending is None:  # a job that failed before resuming continues the same relaunch
+            records = read_records(metrics)
+            pending = Relaunch(metrics, len(records), _last_step(records[before:]), time.time())
     summary_path = os.path.join(workdir, "summary.json")
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)

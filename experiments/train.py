@@ -130,8 +130,8 @@ _COLLECTIVE_TIMEOUT_S = flags.DEFINE_integer(
 _PRECOMPILE = flags.DEFINE_bool(
     "precompile_failures",
     False,
-    "Multi-process: compile, in the background, the step for every mesh one more process "
-    "failure would leave, so that a recovery does not compile.",
+    "Multi-process: at start-up, compile the step for every mesh one more process failure "
+    "would leave, so that a recovery does not compile.",
 )
 _STALL_AT_STEP = flags.DEFINE_integer(
     "stall_at_step",

@@ -38,7 +38,6 @@ The service and client-only start-up use JAX internals (``jax._src.distributed``
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -262,9 +261,9 @@ class Executor:
         stall_at: step index at which this process stops inside the step and
             waits to be killed: how the launcher kills a worker mid-step.
         on_stall: called when the stall begins (the launcher's cue to kill).
-        precompile: after the first step, compile in the background the step
-            for every mesh that one more process failure would leave, so a
-            recovery need not compile.
+        precompile: before the first step, compile the step for every mesh
+            that one more process failure would leave (one compile per other
+            process, at start-up), so that a recovery need not compile.
     """
 
     def __init__(self, step, *, stall_at=None, on_stall=None, precompile=False):
@@ -275,7 +274,6 @@ class Executor:
         self._by_group = _group_devices(step.mesh)
         self._precompile = precompile
         self._ready: dict[tuple[int, ...], step_lib.SpareStep] = {}
-        self._thread: threading.Thread | None = None
 
     @property
     def live_groups(self) -> list[int]:
@@ -288,7 +286,7 @@ class Executor:
         return step, shardings
 
     def _precompile_all(self, state: Any, stacks: Any) -> None:
-        """Compile the survivors' step for each single process failure (background thread)."""
+        """Compile the survivors' step for each single process failure."""
         me = jax.process_index()
         for proc in sorted(set(self._owners[self.live_groups].tolist()) - {me}):
             live = [g for g in self.live_groups if self._owners[g] != proc]
@@ -300,6 +298,9 @@ class Executor:
             self._ready[tuple(live)] = step
 
     def __call__(self, state: Any, stacks: Any, table: Any) -> tuple[Any, dict]:
+        if self._precompile:
+            self._precompile = False
+            self._precompile_all(state, stacks)
         try:
             with live_devices(self._devices):
                 if self.stall_at is not None and self.index == self.stall_at:
@@ -314,22 +315,15 @@ class Executor:
             dead_procs = sorted({d.process_index for d in err.failed_devices})
             dead_groups = [g for g in self.live_groups if self._owners[g] in dead_procs]
             live = [g for g in self.live_groups if g not in dead_groups]
-            if self._thread is not None:
-                self._thread.join()  # finish (or use) what the background compile started
             step, shardings = self._survivors(live, state)
             new_state = reshard(state, shardings)
             self._devices = list(step.mesh.devices.flat)
             rebuilt = time.time()
             compile_s = 0.0 if step.slot_bound in step._aot else step.precompile(new_state, stacks)
-            self.step, self._ready, self._thread = step, {}, None
+            self.step, self._ready = step, {}
             raise ProcessLost(
                 dead_procs, dead_groups, step, new_state, detected, rebuilt - detected, compile_s
             ) from None
-        if self._precompile and self._thread is None and not self._ready:
-            self._thread = threading.Thread(
-                target=self._precompile_all, args=(out[0], stacks), daemon=True
-            )
-            self._thread.start()
         return out
 
 
