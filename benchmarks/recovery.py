@@ -132,11 +132,9 @@ def main(argv: list[str]) -> None:
     base = keep or tempfile.mkdtemp(prefix="spare_recovery_")
     kill_step = _STEPS.value // 2
     results: dict[str, list[dict]] = {}
-    for name, args, kills in CASES:
+    for case, (name, args, kills) in enumerate(CASES):
         for rep in range(_REPEATS.value):
-            workdir = os.path.join(
-                base, f"{name.split(',')[0].replace(' ', '_')}-{len(kills)}-{rep}"
-            )
+            workdir = os.path.join(base, f"case{case}-run{rep}")
             figures = _figures(_run(workdir, args, kills, kill_step), len(kills) > 1)
             results.setdefault(name, []).append(figures)
             print(

@@ -159,10 +159,11 @@ def _workdir(path: str) -> str:
     return cli.output_dir("workdir", path)
 
 
-def _quiet_orbax() -> None:
-    """Keep Orbax's per-save info lines out of the run's log."""
+def _quiet_libraries() -> None:
+    """Keep Orbax's per-save lines and JAX's backend probing out of the run's log."""
     handler = logging.get_absl_handler()
     handler.addFilter(lambda record: "orbax" not in record.pathname)
+    handler.addFilter(lambda record: "xla_bridge" not in record.pathname)
 
 
 def _multi_process() -> bool:
@@ -228,6 +229,7 @@ def _finish_multi_process(code: int) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
+    _quiet_libraries()
     config = _config()
     for name, flag in (
         ("strategy", _STRATEGY),
@@ -241,7 +243,6 @@ def main(argv: list[str]) -> None:
             config[name] = flag.value
     if _FAILURES.value and _FAILURE_RATE.value:
         cli.fail("give either --failures or --failure_rate, not both")
-    workdir = _workdir(_WORKDIR.value)
     try:
         experiment.validate(config)
         groups = int(config.mesh[0]) * int(config.mesh[1])
@@ -255,10 +256,10 @@ def main(argv: list[str]) -> None:
         )
         if _STALL_AT_STEP.value is not None and _STALL_AT_STEP.value >= config.steps:
             raise ValueError(f"--stall_at_step must be < steps={config.steps}")
+        workdir = _workdir(_WORKDIR.value)  # checked before any work, created once all is valid
         run, executor = _start_jax(config)
     except ValueError as err:
         cli.fail(str(err))
-    _quiet_orbax()
     logging.info(
         "mesh %s, %s, G=%d groups, r=%d, m=%d, policy %s, slot bound %d",
         dict(run.step.mesh.shape),

@@ -74,6 +74,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     checks.integer("checkpoint.warmup_steps", ck.warmup_steps, low=1)
     checks.integer("checkpoint.max_rollbacks", ck.max_rollbacks, low=0)
     checks.number("checkpoint.gpu_mtbf_hours", ck.gpu_mtbf_hours, low=0.0, low_open=True)
+    kind = strategies.canonical(config.strategy)
+    redundancy = 1 if kind == "dp" else int(config.redundancy)
+    ring = int(mesh[1]) if kind == "spare" and int(mesh[1]) >= redundancy else None
+    strategies.placement(kind, int(mesh[0]) * int(mesh[1]), redundancy, ring_size=ring)
     model_lib.ModelConfig(**config.model).validate()
     checks.choice("data.kind", config.data.kind, ("markov", "file"))
     if config.data.kind == "file":

@@ -41,7 +41,9 @@ REPRODUCE = "experiments/reproduce.py"
 BENCH_ANALYSIS = "benchmarks/analysis.py"
 BENCH_REORDER = "benchmarks/reorder.py"
 BENCH_SIM = "benchmarks/sim.py"
-BINARIES = (PLAN, OVERHEAD, REPRODUCE, BENCH_ANALYSIS, BENCH_REORDER, BENCH_SIM)
+TRAIN = "experiments/train.py"
+LAUNCH = "experiments/launch.py"
+BINARIES = (PLAN, OVERHEAD, REPRODUCE, BENCH_ANALYSIS, BENCH_REORDER, BENCH_SIM, TRAIN, LAUNCH)
 # A file the working directory holds, for output locations that name a file.
 BLOCKER = "blocker.txt"
 TIMEOUT_S = 120
@@ -160,6 +162,66 @@ CASES = [
         (("--gpus=12",), "GPUs not a multiple of the group size"),
         (("--work_hours=nan",), "NaN work"),
         (("--work_hours=-1",), "negative work"),
+    ),
+    *_cases(
+        TRAIN,
+        (("--strategy=raid",), "unknown strategy"),
+        (("--policy=greedy",), "unknown policy"),
+        (("--redundancy=0",), "zero redundancy"),
+        (("--redundancy=9",), "redundancy above the number of groups"),
+        (("--strategy=replication", "--redundancy=3"), "replication r not dividing G"),
+        (("--microbatches=100000",), "absurd micro-batches"),
+        (("--steps=0",), "zero steps"),
+        (("--steps=1000000000",), "absurd steps"),
+        (("--seed=-1",), "negative seed"),
+        (("--failures=3-1",), "malformed failure"),
+        (("--failures=9999:1",), "failure past the last step"),
+        (("--failures=1:9",), "failure of a group that does not exist"),
+        (("--failures=1:1", "--failure_rate=0.1"), "a schedule and a rate at once"),
+        (("--failure_rate=nan",), "NaN failure rate"),
+        (("--failure_rate=2",), "failure rate above 1"),
+        (("--repair_steps=-2",), "negative repair steps"),
+        (("--checkpoint_steps=-1",), "negative checkpoint interval"),
+        (("--config.learning_rate=nan",), "NaN learning rate"),
+        (("--config.learning_rate=-0.1",), "negative learning rate"),
+        (("--config.log_every=0",), "zero log interval"),
+        (("--config.batch=100000000",), "absurd batch"),
+        (("--config.model.heads=3",), "heads not dividing the width"),
+        (("--config.mesh=(2,4,2)",), "a mesh larger than the devices"),
+        (("--config.data.kind=file",), "token file not named"),
+        (("--config.data.kind=file", "--config.data.path=missing.bin"), "missing token file"),
+        (
+            (
+                "--config.data.kind=file",
+                f"--config.data.path={BLOCKER}",
+                "--config.model.seq_len=2",
+            ),
+            "token ids outside the vocabulary",
+        ),
+        (("--config=missing.py",), "config file that does not exist"),
+        (("--config.nope=1",), "override of no config field"),
+        (("--workdir=",), "empty work directory"),
+        ((f"--workdir={BLOCKER}",), "work directory is a file"),
+        ((f"--workdir={BLOCKER}/sub",), "work directory under a file"),
+        (("--num_processes=2",), "a multi-process job without an address"),
+        (
+            ("--coordinator_address=localhost:1", "--num_processes=2", "--process_id=5"),
+            "process id out of range",
+        ),
+        (("--host_devices=0",), "zero devices"),
+    ),
+    *_cases(
+        LAUNCH,
+        (("--processes=0",), "zero processes"),
+        (("--processes=3",), "processes not dividing the devices"),
+        (("--processes=8",), "a group would span two processes"),
+        (("--devices_per_process=3",), "devices per process not matching the mesh"),
+        (("--kill=5:9",), "kill of a process that does not exist"),
+        (("--kill=999:1",), "kill past the last step"),
+        (("--kill=abc",), "malformed kill"),
+        (("--kill=5:1", "--kill=6:1"), "one process killed twice"),
+        (("--strategy=raid",), "a bad train.py flag"),
+        (("--workdir=",), "empty work directory"),
     ),
 ]
 
