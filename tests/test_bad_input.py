@@ -43,7 +43,18 @@ BENCH_REORDER = "benchmarks/reorder.py"
 BENCH_SIM = "benchmarks/sim.py"
 TRAIN = "experiments/train.py"
 LAUNCH = "experiments/launch.py"
-BINARIES = (PLAN, OVERHEAD, REPRODUCE, BENCH_ANALYSIS, BENCH_REORDER, BENCH_SIM, TRAIN, LAUNCH)
+VALIDATE = "experiments/validate.py"
+BINARIES = (
+    PLAN,
+    OVERHEAD,
+    REPRODUCE,
+    BENCH_ANALYSIS,
+    BENCH_REORDER,
+    BENCH_SIM,
+    TRAIN,
+    LAUNCH,
+    VALIDATE,
+)
 # A file the working directory holds, for output locations that name a file.
 BLOCKER = "blocker.txt"
 TIMEOUT_S = 120
@@ -222,6 +233,19 @@ CASES = [
         (("--kill=5:1", "--kill=6:1"), "one process killed twice"),
         (("--strategy=raid",), "a bad train.py flag"),
         (("--workdir=",), "empty work directory"),
+    ),
+    *_cases(
+        VALIDATE,
+        (("--groups=abc",), "malformed list"),
+        (("--groups=1",), "too few groups"),
+        (("--redundancy=0",), "zero redundancy"),
+        (("--map_gradients=x",), "malformed gradient sizes"),
+        (("--map_gradients=-1",), "negative gradient size"),
+        (("--map_gradients=inf",), "infinite gradient size"),
+        (("--epochs=0",), "zero epochs"),
+        (("--step_compute_s=0",), "zero step time"),
+        (("--bandwidth_Bps=-1",), "negative bandwidth"),
+        ((f"--out={BLOCKER}",), "output directory is a file"),
     ),
 ]
 

@@ -10,8 +10,13 @@ Modules:
         `time_to_interruption`, `epoch_overhead`).
     hot: hot re-join (`Scenario.repair == "hot"`), an event walk per segment.
     engine: one training run, segment by segment (`simulate`, `RunResult`), and
-        the `Backend` protocol, the seam for a future SimGrid backend.
+        the `Backend` protocol that every one-run simulator satisfies.
     batch: many runs over a process pool (`simulate_many`, `Summary`).
+    simgrid: the SimGrid backend (`run`, `simulate`, `epochs`): the same rules on a
+        simulated cluster and network (docs/validation.md); SimGrid is imported only
+        in the child process of a simulation.
+    simgrid_compat: SimGrid's Python API across versions, the platform, collectives
+        as transfers, isolated processes.
 
 See docs/simulator.md for the rules played and the validation against
 `spare_jax.analysis`.

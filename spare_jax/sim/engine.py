@@ -22,8 +22,8 @@ With `Scenario.repair == "hot"` the live set also grows between restarts;
 `hot.HotRepair` then walks failures and re-joins with a heap and returns the
 same (breakpoints, overheads, interruption) triple to step 3.
 
-Backend seam: `simulate` is this fast vectorised backend. A second backend (a
-SimGrid model of the same rules) needs only to satisfy
+Backends: `simulate` is this fast vectorised backend; `simgrid.simulate` is
+the SimGrid backend (docs/validation.md). A backend needs only to satisfy
 the `Backend` protocol below, i.e. to map (scenario, strategy, parameters,
 seed) to a `RunResult`; `simulate_many` takes any such callable through its
 `backend` argument, so a second backend can be compared with this one field
@@ -80,7 +80,7 @@ class RunResult:
 
 
 class Backend(Protocol):
-    """Anything that simulates one run: the seam for a future SimGrid backend."""
+    """Anything that simulates one run (`simulate` here, `simgrid.simulate`)."""
 
     def __call__(
         self,
