@@ -118,9 +118,21 @@ def _band(
     log_choose = (
         special.gammaln(groups + 1) - special.gammaln(idx + 1) - special.gammaln(groups - idx + 1)
     )
-    a_end = _inverse_cdf(law, group_mtbf_s, shape, (n_k + 6.0 * math.sqrt(n_k) + 6.0) / groups)
+    reach = (n_k + 6.0 * math.sqrt(n_k) + 6.0) / groups
+    a_end = _inverse_cdf(law, group_mtbf_s, shape, reach)
     if extra_rate > 0:  # whole-domain failures end epochs sooner: resolve their e^(-nu a) decay
         a_end = min(a_end, 40.0 / extra_rate)
+    if reach > 0.5:
+        # Few groups: the bound above nears or passes F = 1 and stretches the grid
+        # over dozens of MTBFs, far beyond any epoch. Stop where the epoch
+        # survival S_X(a) falls below 1e-13 instead, so the grid resolves epochs.
+        probe = np.geomspace(a_end * 1e-4, a_end, 400)
+        q = np.clip(_cdf(law, group_mtbf_s, shape, probe), 1e-300, 1.0 - 1e-16)[:, None]
+        log_pmf = log_choose + idx * np.log(q) + (groups - idx) * np.log1p(-q)
+        s_x = np.exp(log_pmf) @ surv * np.exp(-extra_rate * probe)
+        below = np.flatnonzero(s_x < 1e-13)
+        if below.size:
+            a_end = float(probe[below[0]])
     ages = np.linspace(0.0, a_end, n_ages)
     q = _cdf(law, group_mtbf_s, shape, ages)
     chunks = []
