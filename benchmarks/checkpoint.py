@@ -36,6 +36,7 @@ written elsewhere except the ``--out`` JSON file, if given (checked first).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging as std_logging
 import os
@@ -50,7 +51,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from spare_jax import analysis, checkpoint, cli, experiment, strategies
+from spare_jax import analysis, checkpoint, cli, experiment, liveness, strategies, trainer
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = cli.config_file_flag(
@@ -67,29 +68,6 @@ _RUN_STEPS = flags.DEFINE_integer(
     "run_steps", 10_000, "Length of the run the interval model plans for.", lower_bound=1
 )
 _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
-
-# The analysis's name for each data-plane strategy (as `checkpoint.IntervalModel` maps them).
-_ANALYSIS_STRATEGY = {"spare": "spare", "replication": "replication", "dp": "checkpoint_restart"}
-
-
-def check_out(path: str) -> None:
-    """Refuse an ``--out`` file that cannot be written, before anything is measured.
-
-    Raises:
-        app.UsageError: the path names a directory, its directory does not
-            exist, or either is not writable.
-    """
-    if not path:
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise app.UsageError(f"--out={path} is a directory; give a file name")
-    if not os.path.isdir(directory):
-        raise app.UsageError(f"cannot write --out={path}: no directory {directory}")
-    if not os.access(directory, os.W_OK | os.X_OK) or (
-        os.path.exists(path) and not os.access(path, os.W_OK)
-    ):
-        raise app.UsageError(f"cannot write --out={path}: permission denied")
 
 
 def rates(values: Sequence[str]) -> list[float]:
@@ -197,23 +175,16 @@ def intervals(
     for mode in ("async", "blocking"):
         fig = saves[mode]
         for rate in rate_list:
-            model = checkpoint.IntervalModel(
-                strategy=strategies.canonical(config.strategy),
-                redundancy=run.step.placement.redundancy,
-                microbatches=run.step.microbatches,
-                policy=config.policy,
-                groups=run.groups,
-                devices_per_group=int(run.step.mesh.shape["model"]),
+            model = dataclasses.replace(
+                trainer.interval_model(run, liveness.Failures(run.groups, rate=rate)),
                 steps=_RUN_STEPS.value,
-                failure_rate=rate,
-                gpu_mtbf_hours=float(config.checkpoint.gpu_mtbf_hours),
             )
             steps, figures = model.interval(step_s, fig["stall_s"], fig["save_s"], fig["restore_s"])
             scenario = model.scenario(step_s, fig["stall_s"], fig["save_s"], fig["restore_s"])
             kind = strategies.canonical(config.strategy)
             ttt = analysis.time_to_train(
                 scenario,
-                _ANALYSIS_STRATEGY[kind],
+                kind,
                 redundancy=model.redundancy if kind != "dp" else 1,
                 microbatches=model.microbatches,
                 policy="adaptive" if model.policy == "drop" else model.policy,
@@ -247,7 +218,7 @@ def intervals(
 
 def main(argv: list[str]) -> None:
     del argv
-    check_out(_OUT.value)
+    cli.output_file("out", _OUT.value)
     rate_list = rates(_RATES.value)
     config = cli.config_value(_CONFIG)
     try:

@@ -67,26 +67,6 @@ MODEL = model_lib.ModelConfig(vocab=256, seq_len=64, d_model=128, heads=4, layer
 TINY_MODEL = model_lib.ModelConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=1, d_ff=32)
 
 
-def check_out(path: str) -> None:
-    """Refuse an ``--out`` file that cannot be written, before anything is measured.
-
-    Raises:
-        app.UsageError: the path names a directory, its directory does not
-            exist, or either is not writable.
-    """
-    if not path:
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise app.UsageError(f"--out={path} is a directory; give a file name")
-    if not os.path.isdir(directory):
-        raise app.UsageError(f"cannot write --out={path}: no directory {directory}")
-    if not os.access(directory, os.W_OK | os.X_OK) or (
-        os.path.exists(path) and not os.access(path, os.W_OK)
-    ):
-        raise app.UsageError(f"cannot write --out={path}: permission denied")
-
-
 @dataclasses.dataclass(frozen=True)
 class Lm:
     """The project's LM as a user of the public API sees it: a loss, parameters, shardings."""
@@ -369,7 +349,7 @@ def entry_point(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[
 
 def main(argv: list[str]) -> None:
     del argv
-    check_out(_OUT.value)
+    cli.output_file("out", _OUT.value)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", DEVICES)
     if jax.device_count() < DEVICES:

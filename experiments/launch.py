@@ -123,14 +123,7 @@ def _passthrough(argv: list[str]) -> list[str]:
             continue
         name = arg.lstrip("-").split("=", 1)[0]
         if name in OWN_FLAGS or (name.startswith("no") and name[2:] in OWN_FLAGS):
-            skip = "=" not in arg and name in (
-                "processes",
-                "devices_per_process",
-                "kill",
-                "max_relaunches",
-                "hang_timeout_s",
-                "serve_port",
-            )
+            skip = "=" not in arg and name in OWN_FLAGS  # its value is the next argument
             continue
         out.append(arg)
     return out

@@ -26,6 +26,7 @@ rolls back); 130 interrupted (Ctrl-C).
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 import threading
@@ -290,13 +291,21 @@ def _train(run, failures, workdir, config, executor) -> int:
         disable=executor is not None,
     )
 
+    class _ClearBar(std_logging.Filter):
+        """Let a log line through on a line of its own, not after the progress bar."""
+
+        def filter(self, record: std_logging.LogRecord) -> bool:
+            bar.clear()
+            return True
+
+    logging.get_absl_handler().addFilter(_ClearBar())
+
     def on_step(record: dict) -> None:
         bar.n = record["step"] + 1
         bar.set_postfix(
             loss=f"{record['loss']:.3f}", live=record["live_groups"], load=record["max_load"]
         )
         if record["step"] % config.log_every == 0 or record["step"] == config.steps - 1:
-            bar.clear()  # keep the log line and the progress bar on separate lines
             logging.info(
                 "step %d loss %.4f live_groups %d max_load %d step_time_s %.4f",
                 record["step"],

@@ -33,6 +33,7 @@ __all__ = [
     "int_list",
     "one_line",
     "output_dir",
+    "output_file",
     "replace_file",
     "run",
 ]
@@ -137,6 +138,29 @@ def output_dir(flag: str, path: str) -> str:
     except OSError as error:
         reason = error.strerror or type(error).__name__
         raise app.UsageError(f"cannot write to --{flag}={path}: {reason}") from None
+    return path
+
+
+def output_file(flag: str, path: str) -> str:
+    """Check before any work that the output file `path` (flag `--flag`) can be written.
+
+    An empty path means no file and is returned as is.
+
+    Raises:
+        app.UsageError: the path names a directory, its directory does not
+            exist, or either is not writable.
+    """
+    if not path:
+        return path
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise app.UsageError(f"--{flag}={path} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise app.UsageError(f"cannot write --{flag}={path}: no directory {directory}")
+    if not os.access(directory, os.W_OK | os.X_OK) or (
+        os.path.exists(path) and not os.access(path, os.W_OK)
+    ):
+        raise app.UsageError(f"cannot write --{flag}={path}: permission denied")
     return path
 
 

@@ -83,8 +83,12 @@ class _Interval:
         """Re-derive the interval from the medians measured so far; True when it changed."""
         if self.pinned or not step_times or not self.stalls:
             return False
-        stall = statistics.median(self.stalls)
-        save = statistics.median(self.saves) if self.saves else stall
+        # The first save also pays Orbax's one-time start-up: leave it out once
+        # there are others.
+        stalls = self.stalls[1:] or self.stalls
+        saves = self.saves[1:] or self.saves
+        stall = statistics.median(stalls)
+        save = statistics.median(saves) if saves else stall
         restore = self.restore_s if self.restore_s is not None else save
         step = statistics.median(step_times)
         steps, self.figures = self.model.interval(step, stall, save, restore)
