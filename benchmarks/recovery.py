@@ -156,19 +156,21 @@ def main(argv: list[str]) -> None:
     )
     print(f"{'case':<40}" + "".join(f"{c:>13}" for c in columns))
     medians = {}
-    for name, runs in results.items():
-        med = {c: statistics.median(r[c] for r in runs) for c in columns if c in runs[0]}
-        medians[name] = med
+    for name, all_runs in results.items():
+        runs = [r for r in all_runs if "false_alarm" not in r]
+        alarms = len(all_runs) - len(runs)
+        med = {c: statistics.median(r[c] for r in runs) for c in columns if runs and c in runs[0]}
+        medians[name] = {**med, "runs": len(runs), "false_alarms": alarms}
+        note = f"  ({alarms} false alarm(s) left out)" if alarms else ""
+        cells = "".join(f"{med[c]:>13.3f}" if c in med else f"{'':>13}" for c in columns)
+        print(f"{name:<40}{cells}{note}")
+    relaunch = medians[CASES[-1][0]].get("total_s", float("nan"))
+    for name, _, _ in CASES[:2]:
+        spare = medians[name].get("total_s", float("nan"))
         print(
-            f"{name:<40}"
-            + "".join(f"{med[c]:>13.3f}" if c in med else f"{'':>13}" for c in columns)
+            f"kill -> first completed step, {name}: {spare:.2f} s (target 3 s); relaunch and "
+            f"restore plus lost work: {relaunch:.2f} s ({relaunch / spare:.1f}x)"
         )
-    spare = medians[CASES[0][0]]["total_s"]
-    relaunch = medians[CASES[-1][0]]["total_s"]
-    print(
-        f"\nkill -> first completed step, SPARe: {spare:.2f} s (target 3 s); relaunch and restore "
-        f"plus lost work: {relaunch:.2f} s ({relaunch / spare:.1f}x)"
-    )
     if keep:
         with open(os.path.join(keep, "recovery.json"), "w", encoding="utf-8") as f:
             json.dump({"runs": results, "medians": medians}, f, indent=2)

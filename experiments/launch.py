@@ -156,6 +156,7 @@ class Job:
                 f"--num_processes={k}",
                 f"--process_id={i}",
                 "--external_service",
+                "--exit_with_parent",
                 f"--host_devices={dpp}",
             ]
             if i in kills:

@@ -26,8 +26,10 @@ rolls back); 130 interrupted (Ctrl-C).
 
 from __future__ import annotations
 
+import ctypes
 import logging as std_logging
 import os
+import signal
 import sys
 import threading
 
@@ -128,6 +130,12 @@ _COLLECTIVE_TIMEOUT_S = flags.DEFINE_integer(
     "CPU only: seconds before a collective with a dead peer fails (GPU ones are cancelled).",
     lower_bound=1,
 )
+_EXIT_WITH_PARENT = flags.DEFINE_bool(
+    "exit_with_parent",
+    False,
+    "Linux: the kernel kills this process when the process that started it dies "
+    "(experiments/launch.py sets it, so no worker outlives its launcher).",
+)
 _PRECOMPILE = flags.DEFINE_bool(
     "precompile_failures",
     False,
@@ -165,6 +173,16 @@ def _quiet_libraries() -> None:
     handler = logging.get_absl_handler()
     handler.addFilter(lambda record: "orbax" not in record.pathname)
     handler.addFilter(lambda record: "xla_bridge" not in record.pathname)
+
+
+def _exit_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the launcher's exit paths still kill us
+        pass
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _multi_process() -> bool:
@@ -230,6 +248,8 @@ def _finish_multi_process(code: int) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
+    if _EXIT_WITH_PARENT.value:
+        _exit_with_parent()
     _quiet_libraries()
     config = _config()
     for name, flag in (

@@ -18,8 +18,10 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,3 +113,49 @@ def test_two_neighbours_interrupt_and_a_relaunch_rolls_back(env, tmp_path, refer
     assert relaunch["rolled_back"] is True and relaunch["to_step"] <= 7
     assert relaunch["lost_steps"] == 7 - relaunch["to_step"] and relaunch["relaunch_s"] > 0
     assert _events(tmp_path, "resume")[-1]["step"] == relaunch["to_step"]
+
+
+def _workers_of(workdir) -> list[int]:
+    """Pids of the processes whose command line names this work directory."""
+    pids = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if f"--workdir={workdir}" in cmdline and "train.py" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_no_worker_outlives_a_killed_launcher(env, tmp_path):
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "experiments/launch.py",
+            "--processes=4",
+            f"--workdir={tmp_path}",
+            *ARGS,
+            "--steps=200",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(_workers_of(tmp_path)) < 4:
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.2)
+    finally:
+        launcher.kill()  # SIGKILL: the launcher's own clean-up never runs
+        launcher.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _workers_of(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _workers_of(tmp_path)
+    for pid in left:  # leave nothing behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers outlived their launcher: {left}"
