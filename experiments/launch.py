@@ -248,8 +248,12 @@ class Relaunch:
     interrupted_at: int
     started: float
 
+    noted: bool = False
+
     def note(self) -> bool:
-        """Append the ``relaunch`` event if the new job has resumed; True once done."""
+        """Append the ``relaunch`` event (once) if the new job has resumed; True once done."""
+        if self.noted:
+            return True
         records = read_records(self.metrics)[self.seen :]
         resumed = [r for r in records if r.get("event") == "resume" or "loss" in r]
         if not resumed:
@@ -266,6 +270,7 @@ class Relaunch:
                 "rolled_back": True,
             },
         )
+        self.noted = True
         return True
 
 
