@@ -4,7 +4,7 @@
     python benchmarks/checkpoint.py --config.model.d_model=256 --repeats=9
     python benchmarks/checkpoint.py --config=configs/lm_tiny.py:smoke --repeats=2 --steps=2
 
-On the project's LM (`spare_jax.experiment.setup` of ``--config``, 8 simulated
+On the project's LM (``experiments/lm`` set up from ``--config``, 8 simulated
 CPU devices) and its train state after one step, in one process, side by
 side:
 
@@ -51,7 +51,12 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from spare_jax import analysis, checkpoint, cli, experiment, liveness, strategies, trainer
+from spare_jax import analysis, checkpoint, cli, liveness, strategies, trainer
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+)
+from lm import setup as experiment
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = cli.config_file_flag(
@@ -105,11 +110,10 @@ def step_time(run: experiment.Run, steps: int) -> tuple[Any, float]:
 def save_once(ckpt: checkpoint.Checkpointer, k: int, state: Any) -> tuple[float, float]:
     """(stall, seconds until complete) of one forced save at step ``k``."""
     stall = ckpt.save(k, state, {"step": k}, force=True)
-    ckpt.wait()
-    done = ckpt.poll()
-    if stall is None or done is None or done[0] != k:
+    done = ckpt.wait()
+    if stall is None or [d.step for d in done] != [k]:
         raise RuntimeError(f"save {k} in {ckpt.directory} did not happen")
-    return stall, done[1]
+    return stall, done[0].write_s
 
 
 def restore_once(ckpt: checkpoint.Checkpointer, abstract: Any, want: int) -> tuple[float, float]:
@@ -129,7 +133,7 @@ def measure(run: experiment.Run, state: Any, repeats: int, root: str) -> dict[st
     ckpts = {
         mode: checkpoint.Checkpointer(
             os.path.join(root, mode),
-            checkpoint.IntervalPolicy(1),
+            checkpoint.Interval(total=10**6, pinned=1),
             keep=2,
             use_async=mode == "async",
         )
@@ -176,7 +180,12 @@ def intervals(
         fig = saves[mode]
         for rate in rate_list:
             model = dataclasses.replace(
-                trainer.interval_model(run, liveness.Failures(run.groups, rate=rate)),
+                trainer.interval_model(
+                    run.step,
+                    liveness.Failures(run.groups, rate=rate),
+                    int(config.steps),
+                    float(config.checkpoint.gpu_mtbf_hours),
+                ),
                 steps=_RUN_STEPS.value,
             )
             steps, figures = model.interval(step_s, fig["stall_s"], fig["save_s"], fig["restore_s"])

@@ -50,9 +50,14 @@ import optax
 from absl import app, flags
 
 import spare_jax
-from spare_jax import cli, experiment, reorder
-from spare_jax import data as data_lib
-from spare_jax import model as model_lib
+from spare_jax import cli, reorder
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+)
+from lm import data as data_lib
+from lm import model as model_lib
+from lm import setup as experiment
 
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed rounds per comparison.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per configuration.", lower_bound=1)
@@ -342,7 +347,7 @@ def entry_point(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[
     print(
         "(entry / run: what the wrapper costs over pre-placed inputs, mostly the host layout "
         "and transfer (stacks s); entry / spelled: the wrapper vs calling stacks, table and run "
-        "yourself, as spare_jax.trainer does; dev batch: the entry point given a jax.Array batch)"
+        "yourself, as spare_jax.fit does; dev batch: the entry point given a jax.Array batch)"
     )
     return rows
 

@@ -6,38 +6,43 @@
 
 Flags override the config file's fields of the same name. Outputs, all under
 ``--workdir``: ``metrics.jsonl`` (appended to, one JSON object per step or
-event), ``summary.json`` (written at the end) and ``checkpoints/`` (Orbax).
+event), ``summary.json`` (written at the end), ``checkpoints/`` (Orbax) and
+``params-<process>.npz`` (each surviving process's final parameters, keyed by
+their path in the parameter tree).
 Rerunning the same command with the same ``--workdir`` resumes from the latest
 complete checkpoint. An interruption (a shard with no live holder) rolls back
 to the latest checkpoint and replaces the failed groups; the run goes on.
 
-Multi-process jobs (one process per host, or several on one machine through
-``experiments/launch.py``): ``--coordinator_address --num_processes
---process_id`` (or ``--distributed`` to let JAX detect SLURM and the like).
-Groups map whole onto processes; when a process dies the survivors finish the
-step without it (docs/multihost.md).
+The training is `spare_jax.fit` on the LM of ``experiments/lm`` (this binary
+is one client of it). Multi-process jobs: under ``python -m spare_jax.launch``
+(or ``experiments/launch.py``) nothing more is needed; on a cluster,
+``--coordinator_address --num_processes --process_id`` (or ``--distributed``
+to let JAX detect SLURM and the like). Groups map whole onto processes; when
+a process dies the survivors finish the step without it (docs/multihost.md).
 
-Exit status: 0 done; 2 bad flags, config or work directory, or checkpoints that
-all fail to restore; 3 gave up after ``checkpoint.max_rollbacks`` rollbacks; 4
-the loss became non-finite (the state before that step is saved first); 75 an
-interruption after a process loss (the launcher relaunches the job, which
-rolls back); 130 interrupted (Ctrl-C).
+Exit status (spare_jax.errors): 0 done; 2 bad flags, config or work
+directory, or checkpoints that all fail to restore; 3 gave up after
+``checkpoint.max_rollbacks`` rollbacks; 4 the loss became non-finite (the
+state before that step is saved first); 5 a checkpoint could not be written
+(a full disk: the newest intact checkpoint is kept); 75 an interruption after
+a process loss (the launcher relaunches the job, which rolls back); 130
+interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging as std_logging
 import os
-import signal
 import sys
-import threading
 
 import jax
+import numpy as np
 from absl import flags, logging
+from lm import setup as experiment
 from tqdm import tqdm
 
-from spare_jax import checkpoint, cli, experiment, liveness, multihost, strategies, trainer
+import spare_jax
+from spare_jax import cli, errors, liveness, multihost, strategies
 
 _DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "lm_tiny.py"
@@ -78,8 +83,9 @@ _REPAIR_STEPS = flags.DEFINE_integer(
 )
 _CHECKPOINT_STEPS = flags.DEFINE_integer(
     "checkpoint_steps",
-    0,
-    "Checkpoint interval in steps; 0: the analytical model's optimum for this run.",
+    None,
+    "Checkpoint interval in steps; 0: the analytical model's optimum for this run "
+    "(default: config checkpoint.steps).",
     lower_bound=0,
 )
 _SEED = flags.DEFINE_integer(
@@ -113,28 +119,19 @@ _PROCESS_ID = flags.DEFINE_integer(
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Multi-process job whose cluster JAX detects (SLURM, ...)."
 )
-_EXTERNAL_SERVICE = flags.DEFINE_bool(
-    "external_service",
-    False,
-    "The coordination service runs outside the workers (experiments/launch.py hosts it).",
-)
 _HEARTBEAT_S = flags.DEFINE_integer(
     "heartbeat_s",
-    10,
-    "Seconds without a heartbeat before a process counts as dead.",
+    None,
+    "Seconds without a heartbeat before a process counts as dead (default: the launcher's, "
+    "else 10).",
     lower_bound=2,
 )
 _COLLECTIVE_TIMEOUT_S = flags.DEFINE_integer(
     "collective_timeout_s",
-    10,
-    "CPU only: seconds before a collective with a dead peer fails (GPU ones are cancelled).",
+    None,
+    "CPU only: seconds before a collective with a dead peer fails (GPU ones are cancelled; "
+    "default: the launcher's, else 10).",
     lower_bound=1,
-)
-_EXIT_WITH_PARENT = flags.DEFINE_bool(
-    "exit_with_parent",
-    False,
-    "Linux: the kernel kills this process when the process that started it dies "
-    "(experiments/launch.py sets it, so no worker outlives its launcher).",
 )
 _PRECOMPILE = flags.DEFINE_bool(
     "precompile_failures",
@@ -142,16 +139,6 @@ _PRECOMPILE = flags.DEFINE_bool(
     "Multi-process: at start-up, compile the step for every mesh one more process failure "
     "would leave, so that a recovery does not compile.",
 )
-_STALL_AT_STEP = flags.DEFINE_integer(
-    "stall_at_step",
-    None,
-    "Testing hook of experiments/launch.py --kill: stop inside this step and wait to be killed.",
-    lower_bound=0,
-)
-
-EXIT_ROLLBACKS = 3
-EXIT_NON_FINITE = 4
-KILL_POINT = "spare-jax: stalled in step"  # the line experiments/launch.py waits for
 
 
 def _config() -> object:
@@ -175,81 +162,37 @@ def _quiet_libraries() -> None:
     handler.addFilter(lambda record: "xla_bridge" not in record.pathname)
 
 
-def _exit_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the launcher's exit paths still kill us
-        pass
-    if os.getppid() == 1:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def _multi_process() -> bool:
-    return bool(
-        _DISTRIBUTED.value
-        or _COORDINATOR.value
-        or _NUM_PROCESSES.value is not None
-        or _PROCESS_ID.value is not None
-    )
-
-
-def _start_jax(config: object) -> tuple[object, multihost.Executor | None]:
-    """Start JAX (alone, or joined to a multi-process job) and build the run on its devices."""
-    jax.config.update("jax_num_cpu_devices", _HOST_DEVICES.value)
+def _start_jax() -> bool:
+    """Start JAX alone or joined to its multi-process job; True when joined."""
+    launched = multihost.ENV["num_processes"] in os.environ
     if _COMPILATION_CACHE.value and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, "jax_cache"))
-    if not _multi_process():
-        return experiment.setup(config), None
-    if not _DISTRIBUTED.value and None in (
-        _COORDINATOR.value,
-        _NUM_PROCESSES.value,
-        _PROCESS_ID.value,
-    ):
+    if _DISTRIBUTED.value:  # JAX detects the cluster (SLURM and the like)
+        jax.config.update("jax_num_cpu_devices", _HOST_DEVICES.value)
+        multihost.initialize(
+            coordinator_address=None,
+            num_processes=None,
+            process_id=None,
+            heartbeat_s=_HEARTBEAT_S.value or multihost.DEFAULT_HEARTBEAT_S,
+        )
+        return True
+    explicit = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if any(v is not None for v in explicit) and None in explicit:
         cli.fail("give --coordinator_address, --num_processes and --process_id together")
-    if _PROCESS_ID.value is not None and _PROCESS_ID.value >= (_NUM_PROCESSES.value or 1):
+    if _PROCESS_ID.value is not None and _PROCESS_ID.value >= _NUM_PROCESSES.value:
         cli.fail(f"--process_id must lie in [0, {_NUM_PROCESSES.value})")
-    timeout = multihost.collective_timeout_flag(_COLLECTIVE_TIMEOUT_S.value)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {timeout}".strip()
-    multihost.initialize(
+    return spare_jax.initialize(
         coordinator_address=_COORDINATOR.value,
         num_processes=_NUM_PROCESSES.value,
         process_id=_PROCESS_ID.value,
         heartbeat_s=_HEARTBEAT_S.value,
-        external_service=_EXTERNAL_SERVICE.value,
+        collective_timeout_s=_COLLECTIVE_TIMEOUT_S.value,
+        local_devices=None if launched else _HOST_DEVICES.value,
     )
-    try:
-        mesh = multihost.global_mesh(tuple(config.mesh))
-        multihost.groups_of_processes(mesh)
-    except ValueError as err:
-        cli.fail(str(err))
-    run = experiment.setup(config, mesh, donate=False)
-
-    def stalled() -> None:
-        print(f"{KILL_POINT} {_STALL_AT_STEP.value}", flush=True)
-
-    return run, multihost.Executor(
-        run.step,
-        stall_at=_STALL_AT_STEP.value,
-        on_stall=stalled,
-        precompile=_PRECOMPILE.value,
-    )
-
-
-def _finish_multi_process(code: int) -> None:
-    """Leave the job without waiting on dead peers (bounded), then exit with ``code``."""
-    done = threading.Thread(target=jax.distributed.shutdown, daemon=True)
-    done.start()
-    done.join(15.0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    if _EXIT_WITH_PARENT.value:
-        _exit_with_parent()
     _quiet_libraries()
     config = _config()
     for name, flag in (
@@ -262,6 +205,8 @@ def main(argv: list[str]) -> None:
     ):
         if flag.value is not None:
             config[name] = flag.value
+    if _CHECKPOINT_STEPS.value is not None:  # one source: the flag overrides the config
+        config.checkpoint.steps = _CHECKPOINT_STEPS.value
     if _FAILURES.value and _FAILURE_RATE.value:
         cli.fail("give either --failures or --failure_rate, not both")
     try:
@@ -275,11 +220,13 @@ def main(argv: list[str]) -> None:
             repair_steps=_REPAIR_STEPS.value,
             seed=config.seed,
         )
-        if _STALL_AT_STEP.value is not None and _STALL_AT_STEP.value >= config.steps:
-            raise ValueError(f"--stall_at_step must be < steps={config.steps}")
         workdir = _workdir(_WORKDIR.value)  # checked before any work, created once all is valid
-        run, executor = _start_jax(config)
-    except ValueError as err:
+        joined = _start_jax()
+        mesh = spare_jax.make_mesh(tuple(config.mesh))
+        if joined:
+            multihost.groups_of_processes(mesh)  # each process must hold whole groups
+        run = experiment.setup(config, mesh)
+    except (ValueError, RuntimeError) as err:
         cli.fail(str(err))
     logging.info(
         "mesh %s, %s, G=%d groups, r=%d, m=%d, policy %s, slot bound %d",
@@ -293,13 +240,17 @@ def main(argv: list[str]) -> None:
     )
     if config.policy == "drop":
         logging.warning("policy=drop is the INEXACT drop-and-renormalise baseline")
-    code = _train(run, failures, workdir, config, executor)
-    if executor is not None:
-        _finish_multi_process(code)
-    sys.exit(code)
+    sys.exit(_train(run, failures, workdir, config, joined))
 
 
-def _train(run, failures, workdir, config, executor) -> int:
+def _save_params(workdir: str, params: object) -> None:
+    """This process's final parameters, ``WORKDIR/params-<process>.npz``, keyed by tree path."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    path = os.path.join(workdir, f"params-{jax.process_index()}.npz")
+    np.savez(path, **{jax.tree_util.keystr(k): v for k, v in leaves})
+
+
+def _train(run, failures, workdir, config, joined) -> int:
     """Train with a progress bar; the exit status."""
     prog = os.path.basename(sys.argv[0])
     bar = tqdm(
@@ -308,7 +259,7 @@ def _train(run, failures, workdir, config, executor) -> int:
         unit="step",
         file=sys.stderr,
         dynamic_ncols=True,
-        disable=executor is not None,
+        disable=joined,
     )
 
     class _ClearBar(std_logging.Filter):
@@ -336,36 +287,33 @@ def _train(run, failures, workdir, config, executor) -> int:
             )
         bar.refresh()
 
+    ck = config.checkpoint
     try:
-        summary = trainer.train(
-            run,
-            failures,
-            workdir,
-            checkpoint_steps=_CHECKPOINT_STEPS.value,
+        result = spare_jax.fit(
+            run.step,
+            run.params,
+            run.batch,
+            steps=int(config.steps),
+            workdir=workdir,
+            failures=failures,
+            checkpoint_steps=int(ck.steps) or None,
+            gpu_mtbf_hours=float(ck.gpu_mtbf_hours),
+            max_rollbacks=int(ck.max_rollbacks),
+            keep=int(ck.keep),
+            warmup_steps=int(ck.warmup_steps),
+            precompile_failures=_PRECOMPILE.value,
             on_step=on_step,
-            executor=executor,
         )
-    except checkpoint.NoUsableCheckpoint as err:
+    except errors.FitError as err:
         bar.close()
-        sys.stderr.write(f"{prog}: error: {err}\n")
-        return cli.USAGE_EXIT
-    except trainer.TooManyRollbacks as err:
-        bar.close()
-        sys.stderr.write(f"{prog}: {err}\n")
-        return EXIT_ROLLBACKS
-    except trainer.NonFiniteLoss as err:
-        bar.close()
-        sys.stderr.write(f"{prog}: {err}\n")
-        return EXIT_NON_FINITE
-    except trainer.Relaunch as err:
-        bar.close()
-        sys.stderr.write(f"{prog}: {err}\n")
-        return multihost.RELAUNCH_EXIT
+        label = "error: " if err.exit_status == errors.EXIT_BAD_INPUT else ""
+        sys.stderr.write(f"{prog}: {label}{err}\n")
+        return err.exit_status
     bar.close()
-    if executor is not None and jax.process_index() != min(
-        int(p) for p in multihost.groups_of_processes(run.step.mesh)
-    ):
+    _save_params(workdir, result.params)
+    if not result.writer:
         return 0  # one process (the writer) reports
+    summary = result.summary
     g = summary["goodput"]
     print(
         f"done: step {summary['final_step']}, final loss {summary['final_loss']:.4f}, "

@@ -1,6 +1,6 @@
 """Orbax checkpoints at the interval our analytical model chooses, and a restore that skips junk.
 
-Owns two things:
+Owns three things:
 
 * `IntervalModel`: the checkpoint interval in steps. It is not a hand-set
   number: the run is described as a `spare_jax.scenario.Scenario` (its groups,
@@ -9,24 +9,39 @@ Owns two things:
   `spare_jax.analysis.time_to_train` gives the interval that minimises the
   expected time-to-train, converted to steps. It is re-derived whenever the
   measurements move (after warm-up, after each save).
+* `Interval`: the interval in force, the one copy of it: Orbax's save
+  decision, fed with the measurements, carried through each checkpoint.
 * `Checkpointer`: an Orbax ``CheckpointManager`` with asynchronous saves of the
   train state plus a JSON record of everything else needed to continue exactly
   (the live set, the failure process's progress, the re-join clock, a
   parameter checksum). Orbax decides when to save through our
-  `IntervalPolicy` (its ``save_decision_policy`` hook) and keeps the latest
-  few through its ``LatestN`` preservation policy. `restore_latest` walks the
+  `Interval` (its ``save_decision_policy`` hook) and keeps the latest
+  few through our `KeepIntact` preservation policy. `restore_latest` walks the
   steps from the newest, moves a checkpoint that fails to restore (a killed
   save, a truncated file, a foreign directory, a checksum mismatch) aside
   into ``corrupt/`` with a warning naming it, and returns the newest good one.
+
+A committed checkpoint is trusted only once its files are all there
+(`missing_files`): a save is reported complete only then (a failed save
+raises `StorageError`, naming a full disk when that is the cause), and the
+retention policy (`KeepIntact`) counts only such checkpoints, so a failed or
+empty save never pushes a good one out. Whichever process writes, Orbax's
+handlers are told it is the primary host: without that, a writer other than
+process 0 commits directories that hold no data.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import logging
 import math
 import os
+import shutil
+import statistics
 import time
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,25 +49,185 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers
+from etils import epath
 
-from spare_jax import analysis, checks, strategies
+from spare_jax import analysis, checks, errors, multihost, runlog, strategies
 from spare_jax.scenario import Scenario
 
 __all__ = [
     "Checkpointer",
+    "Interval",
     "IntervalModel",
-    "IntervalPolicy",
+    "KeepIntact",
     "NoUsableCheckpoint",
     "Restored",
+    "Saved",
+    "StorageError",
+    "missing_files",
     "param_checksum",
 ]
 
 log = logging.getLogger(__name__)
 
 
-class NoUsableCheckpoint(RuntimeError):
+class NoUsableCheckpoint(errors.FitError):
     """Checkpoints exist but none of them restores."""
+
+    exit_status = errors.EXIT_BAD_INPUT
+
+
+StorageError = errors.StorageError  # a checkpoint could not be written
+
+
+# Every file a complete checkpoint holds: the common ones, then the state's in
+# either layout (Orbax's sharded arrays, or one process's replica).
+_REQUIRED = ("_CHECKPOINT_METADATA", "meta/metadata")
+_STATE_LAYOUTS = (("state/_METADATA", "state/manifest.ocdbt"), ("state/replica.npz",))
+_REPLICA = "replica.npz"
+
+
+def _file_problem(path: str, name: str) -> str | None:
+    try:
+        if os.path.getsize(os.path.join(path, name)) == 0:
+            return f"{name} is empty"
+    except OSError:
+        return f"{name} is missing"
+    return None
+
+
+def missing_files(path: str) -> str | None:
+    """Why the checkpoint directory ``path`` is incomplete, or None when its files are all there.
+
+    Checks that each file of a complete checkpoint exists and is not empty,
+    that a replica archive is whole (its index is read) and that the JSON
+    record parses and carries the parameter checksum; cheap enough to ask
+    before every retention decision.
+    """
+    for name in _REQUIRED:
+        if (problem := _file_problem(path, name)) is not None:
+            return problem
+    problems = [[_file_problem(path, n) for n in layout] for layout in _STATE_LAYOUTS]
+    complete = [layout for layout, ps in zip(_STATE_LAYOUTS, problems, strict=True) if not any(ps)]
+    if not complete:
+        started = [p for ps in problems for p in ps if p and "empty" in p]
+        return started[0] if started else "state/ holds no array data"
+    if complete[0] == ("state/replica.npz",):
+        try:
+            with zipfile.ZipFile(os.path.join(path, "state", _REPLICA)) as archive:
+                archive.namelist()
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"state/{_REPLICA} is damaged ({type(err).__name__})"
+    try:
+        with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"meta/metadata does not parse ({type(err).__name__})"
+    if not isinstance(record, dict) or "param_checksum" not in record:
+        return "meta/metadata has no parameter checksum"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepIntact:
+    """Orbax preservation policy: the newest ``n`` complete checkpoints, and nothing counted else.
+
+    Orbax asks when a save starts, counting the save in flight. Counting only
+    checkpoints whose files are all there on disk means that a save that fails
+    (or a committed directory with no data) never pushes a good checkpoint out:
+    the newest ``n`` that restore stay (the one in flight comes on top, and
+    `Checkpointer` lets the oldest go once the new one is confirmed).
+    Incomplete ones are left for `Checkpointer.restore_latest` to set aside
+    with a message.
+    """
+
+    directory: str
+    n: int
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        del context
+        keep, counted = [True] * len(checkpoints), 0
+        for i in range(len(checkpoints) - 1, -1, -1):
+            if missing_files(os.path.join(self.directory, str(checkpoints[i].step))) is None:
+                counted += 1
+                keep[i] = counted <= self.n
+        return keep
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A save that completed with every file in place: its step, stall and write seconds."""
+
+    step: int
+    stall_s: float
+    write_s: float
+
+
+class ReplicaHandler(ocp.AsyncCheckpointHandler):
+    """Orbax item handler for one process's full replica of the state, as host arrays.
+
+    In a multi-process job one process (the lowest live one) writes the
+    state, and it may be any process: Orbax's own serializers write host
+    arrays from process 0 only and refuse host-local device arrays. This
+    handler writes the replica as one ``replica.npz`` (each leaf's raw bytes,
+    with its dtype and shape in an index) in the background, and reads it
+    back into the target's structure, checking every shape and dtype.
+    """
+
+    async def async_save(self, directory: Any, args: ReplicaSave) -> list[Any]:
+        leaves = [np.asarray(x) for x in jax.tree.leaves(args.state)]
+        target = os.path.join(os.fspath(directory), _REPLICA)
+        return [ocp.future.CommitFutureAwaitingContractedSignals(_write_replica(target, leaves))]
+
+    def save(self, directory: Any, args: ReplicaSave) -> None:
+        for f in asyncio.run(self.async_save(directory, args)):
+            f.result()
+
+    def restore(self, directory: Any, args: ReplicaRestore) -> Any:
+        leaves, treedef = jax.tree.flatten(args.target)
+        with np.load(os.path.join(os.fspath(directory), _REPLICA), allow_pickle=False) as z:
+            index = json.loads(bytes(z["index"]).decode())
+            if len(index) != len(leaves):
+                raise ValueError(f"the replica holds {len(index)} arrays, the state {len(leaves)}")
+            out = []
+            for i, (leaf, (dtype, shape)) in enumerate(zip(leaves, index, strict=True)):
+                if tuple(shape) != tuple(leaf.shape) or np.dtype(dtype) != np.dtype(leaf.dtype):
+                    raise ValueError(
+                        f"array {i} is {dtype}{tuple(shape)}, the state wants "
+                        f"{np.dtype(leaf.dtype)}{tuple(leaf.shape)}"
+                    )
+                out.append(z[f"a{i}"].view(np.dtype(dtype)).reshape(shape))
+        return jax.tree.unflatten(treedef, out)
+
+
+async def _write_replica(path: str, leaves: list[np.ndarray]) -> None:
+    await asyncio.to_thread(_write_replica_now, path, leaves)
+
+
+def _write_replica_now(path: str, leaves: list[np.ndarray]) -> None:
+    index = json.dumps([[str(x.dtype), list(x.shape)] for x in leaves]).encode()
+    arrays = {
+        f"a{i}": np.ascontiguousarray(x).reshape(-1).view(np.uint8) for i, x in enumerate(leaves)
+    }
+    with open(path, "wb") as f:
+        np.savez(f, index=np.frombuffer(index, np.uint8), **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@ocp.args.register_with_handler(ReplicaHandler, for_save=True)
+@dataclasses.dataclass
+class ReplicaSave(ocp.args.CheckpointArgs):
+    """Save ``state``, a pytree of host arrays (this process's replica)."""
+
+    state: Any
+
+
+@ocp.args.register_with_handler(ReplicaHandler, for_restore=True)
+@dataclasses.dataclass
+class ReplicaRestore(ocp.args.CheckpointArgs):
+    """Restore into the structure, shapes and dtypes of ``target`` (host arrays)."""
+
+    target: Any
 
 
 @jax.jit
@@ -154,23 +329,74 @@ class IntervalModel:
 
 
 @dataclasses.dataclass
-class IntervalPolicy:
-    """Orbax save decision: save once ``interval`` steps have passed since the last save.
+class Interval:
+    """The checkpoint interval in force: Orbax's save decision, its source and its figures.
 
-    ``interval`` is mutable: the trainer re-derives it from `IntervalModel` as
-    the measurements move. ``extra`` names steps that are always saved (the
-    calibration save after warm-up, the last step).
+    The one copy of the interval. Orbax asks `should_save` (this object is the
+    manager's ``save_decision_policy``); the run feeds it measurements
+    (`stalls`, `saves`, `restore_s`) and calls `update`, which re-derives the
+    interval from `IntervalModel`; `as_dict`/`load` carry it through a
+    checkpoint, so a resumed run starts from the interval it had.
+
+    Attributes:
+        total: the run's length in steps (always saved; the interval never exceeds it).
+        model: the analytical model (None: the interval stays ``pinned``).
+        pinned: a fixed interval in steps (0: the model decides).
+        extra: steps that are always saved (the calibration save after warm-up).
     """
 
-    interval: int
+    total: int
+    model: IntervalModel | None = None
+    pinned: int = 0
     extra: frozenset[int] = frozenset()
+    steps: int = 0
+    source: str = "model"
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    stalls: list[float] = dataclasses.field(default_factory=list)
+    saves: list[float] = dataclasses.field(default_factory=list)
+    restore_s: float | None = None
+
+    def __post_init__(self) -> None:
+        checks.integer("total", self.total, low=1)
+        checks.integer("pinned", self.pinned, low=0)
+        if self.pinned or self.model is None:
+            self.steps, self.source = self.pinned or self.total, "pinned"
+        elif not self.steps:
+            self.steps = self.total  # until the first measurements
 
     def should_save(self, step: Any, previous_steps: Sequence[Any], *, context: Any) -> bool:
+        """Orbax's question: save ``step``? (every ``steps`` since the last save, and ``extra``)."""
         del context
-        if step.step in self.extra:
+        if step.step in self.extra or step.step == self.total:
             return True
         last = previous_steps[-1].step if previous_steps else 0
-        return step.step - last >= self.interval
+        return step.step - last >= self.steps
+
+    def update(self, step_times: Sequence[float]) -> bool:
+        """Re-derive the interval from the medians measured so far; True when it changed."""
+        if self.pinned or self.model is None or not step_times or not self.stalls:
+            return False
+        # The first save also pays Orbax's one-time start-up: leave it out once
+        # there are others.
+        stalls = self.stalls[1:] or self.stalls
+        saves = self.saves[1:] or self.saves
+        stall = statistics.median(stalls)
+        save = statistics.median(saves) if saves else stall
+        restore = self.restore_s if self.restore_s is not None else save
+        steps, self.figures = self.model.interval(
+            statistics.median(step_times), stall, save, restore
+        )
+        changed = steps != self.steps
+        self.steps = steps
+        return changed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "source": self.source, "figures": self.figures}
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Continue from the interval a checkpoint recorded (unless pinned)."""
+        if not self.pinned and self.model is not None and saved.get("steps"):
+            self.steps, self.figures = int(saved["steps"]), dict(saved.get("figures", {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +415,7 @@ class Checkpointer:
     def __init__(
         self,
         directory: str,
-        policy: IntervalPolicy,
+        policy: Interval,
         *,
         keep: int = 3,
         use_async: bool = True,
@@ -201,15 +427,19 @@ class Checkpointer:
         self.keep = checks.integer("keep", keep, low=1)
         self.use_async = use_async
         self.process_local = process_local
-        self._pending: tuple[int, float] | None = None
+        self._pending: tuple[int, float, float] | None = None  # step, start, stall
+        self._unreported: list[Saved] = []
         self.last_save_s: float | None = None
         self._manager = self._open(writer)
 
     def _open(self, writer: bool) -> ocp.CheckpointManager:
         """The Orbax manager; read-only for a process that does not write.
 
-        ``process_local``: this process saves and restores its own replica and
-        never waits on a barrier with the others (one of them may be dead).
+        ``process_local``: this process saves and restores its own replica
+        (`ReplicaHandler`) and never waits on a barrier with the others (one
+        of them may be dead).
+        The item handlers get the same options: they decide on their own who
+        writes the files, and without being told they leave it to process 0.
         """
         me = jax.process_index()
         multiprocessing = (
@@ -219,17 +449,33 @@ class Checkpointer:
         )
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=self.policy,
-            preservation_policy=checkpoint_managers.LatestN(self.keep),
+            preservation_policy=KeepIntact(self.directory, self.keep),
             enable_async_checkpointing=self.use_async,
             cleanup_tmp_directories=writer,
             read_only=not writer,
             multiprocessing_options=multiprocessing,
             create=not self.process_local,  # Orbax leaves the directory to us then
+            # Asynchronous directory creation signals through keys in the job's
+            # key-value store, numbered per process: a new writer would find the
+            # keys of the dead one and wait on signals nobody sends.
+            async_options=ocp.options.AsyncOptions(
+                create_directories_asynchronously=not self.process_local
+            ),
         )
         if self.process_local and writer:
             os.makedirs(self.directory, exist_ok=True)
         self.writer = writer
-        return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._multiprocessing = multiprocessing
+        state = (
+            ReplicaHandler()
+            if self.process_local
+            else ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
+        )
+        handlers = {
+            "state": state,
+            "meta": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+        }
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def become_writer(self) -> None:
         """Take over saving (the previous writer's process died)."""
@@ -244,84 +490,190 @@ class Checkpointer:
     def save(
         self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False
     ) -> float | None:
-        """Save if the policy says so (or ``force``); return the blocking stall (s) or None."""
-        if not self.writer:
+        """Start a save if the policy says so (or ``force``); return the blocking stall (s) or None.
+
+        The save is complete once `poll` or `wait` reports it.
+
+        Raises:
+            StorageError: the previous save failed, or this one could not start
+                for lack of space.
+        """
+        if not (force or self.due(step)):
             return None
+        self._report(self._finish_pending())  # Orbax waits for the previous save: check it
         start = time.perf_counter()
-        if force and step in self._manager.all_steps():
+        if not self.writer or (force and step in self._manager.all_steps()):
             return None
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave({**meta, "param_checksum": param_checksum(state.params)}),
-            ),
-            force=force,
-        )
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state)
+                    if not self.process_local
+                    else ReplicaSave(state),
+                    meta=ocp.args.JsonSave(
+                        {**meta, "param_checksum": param_checksum(state.params)}
+                    ),
+                ),
+                force=force,
+            )
+        except Exception as err:
+            if self._disk_full():
+                raise self._storage_error(step, f"{type(err).__name__}") from None
+            raise
         if not saved:
             return None
         stall = time.perf_counter() - start
-        self._pending = (step, start)
+        self._pending = (step, start, stall)
         return stall
 
-    def poll(self) -> tuple[int, float] | None:
-        """``(step, seconds)`` of the last save once it has completed (reported once), else None."""
-        if self._pending is None or self._manager.is_saving_in_progress():
-            return None
-        step, start = self._pending
-        self._pending = None
-        self.last_save_s = time.perf_counter() - start
-        return step, self.last_save_s
+    def due(self, step: int) -> bool:
+        """Whether Orbax's policy would save ``step`` (ask before building what to save)."""
+        return self.writer and self._manager.should_save(step)
 
-    def wait(self) -> None:
-        """Block until every save in flight has completed."""
-        self._manager.wait_until_finished()
+    def poll(self) -> list[Saved]:
+        """The saves completed with all their files since last asked (each reported once).
+
+        Raises:
+            StorageError: a save ended without writing the whole checkpoint.
+        """
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self._report(self._finish_pending())
+        done, self._unreported = self._unreported, []
+        return done
+
+    def wait(self) -> list[Saved]:
+        """Block until the save in flight has completed; report as `poll` does."""
+        self._settle()
+        done, self._unreported = self._unreported, []
+        return done
+
+    def _settle(self) -> None:
+        """Let the save in flight finish; keep its report for `poll` or `wait`."""
+        if self._pending is None:
+            self._manager.wait_until_finished()
+        self._report(self._finish_pending())
+
+    def _report(self, saved: Saved | None) -> None:
+        if saved is not None:
+            self._unreported.append(saved)
+
+    def _finish_pending(self) -> Saved | None:
+        if self._pending is None:
+            return None
+        step, start, stall = self._pending
+        self._pending = None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - Orbax re-raises whatever the writer hit
+            reason = " ".join(str(err).split())[:200] or type(err).__name__
+            raise self._storage_error(step, f"{type(err).__name__}: {reason}") from None
+        self.last_save_s = time.perf_counter() - start
+        why = missing_files(os.path.join(self.directory, str(step)))
+        if why is not None:
+            raise self._storage_error(step, why)
+        # Orbax kept the older ones while this save was unconfirmed: now it is.
+        intact = [s for s in self.steps() if self._intact(s)]
+        for old in intact[: -self.keep]:
+            self._manager.delete(old)
+        return Saved(step, stall, self.last_save_s)
+
+    def _disk_full(self) -> bool:
+        """Whether the file system holding the checkpoints has no room for another one."""
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return False
+        intact = [s for s in self.steps() if self._intact(s)]
+        need = _tree_bytes(os.path.join(self.directory, str(intact[-1]))) if intact else 1 << 20
+        return free < max(need, 1 << 16)
+
+    def _intact(self, step: int) -> bool:
+        return missing_files(os.path.join(self.directory, str(step))) is None
+
+    def _storage_error(self, step: int, why: str) -> StorageError:
+        intact = [s for s in self.steps() if s != step and self._intact(s)]
+        kept = f"checkpoint {intact[-1]} is the newest intact one" if intact else "none is intact"
+        if self._disk_full():
+            usage = shutil.disk_usage(self.directory)
+            return StorageError(
+                f"the disk holding {self.directory} is full ({usage.free / 2**20:.1f} MiB free "
+                f"of {usage.total / 2**20:.1f} MiB): the save of step {step} failed; {kept} "
+                "(kept); free some space and rerun the same command to resume",
+                disk_full=True,
+            )
+        return StorageError(
+            f"the save of step {step} to {self.directory} did not complete ({why}); {kept}",
+            disk_full=False,
+        )
 
     def _quarantine(self, step: int, error: BaseException) -> None:
-        if not self.writer:  # only the writer moves files; the others just skip it
-            log.warning("skipping checkpoint %d: %s", step, type(error).__name__)
+        reason = " ".join(str(error).split())[:200]
+        if not self.writer:  # only the writer moves files (and says so); the others skip it
+            log.info("skipping checkpoint %d: %s: %s", step, type(error).__name__, reason)
             return
         source = os.path.join(self.directory, str(step))
         target = os.path.join(self.directory, "corrupt", f"{step}-{int(time.time())}")
-        reason = " ".join(str(error).split())[:200]
-        log.warning(
-            "skipping checkpoint %s: %s: %s (moved to %s)",
-            source,
-            type(error).__name__,
-            reason,
-            target,
+        runlog.notice(
+            f"skipping checkpoint {source}: {type(error).__name__}: {reason} (moved to {target})"
         )
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.replace(source, target)
 
+    def _read(self, step: int, abstract_state: Any, host_target: Any) -> tuple[Any, dict, bool]:
+        """The state and record of committed checkpoint ``step``, in whichever layout it is.
+
+        Read with the item handlers directly (not the manager's, which are this
+        process's layout): a checkpoint written by a multi-process job resumes
+        in a lone process and the other way round. The flag says the state is
+        on the host (to be placed).
+        """
+        path = os.path.join(self.directory, str(step))
+        with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
+            meta = json.load(f)
+        state_dir = epath.Path(path) / "state"
+        if (state_dir / _REPLICA).exists():
+            return ReplicaHandler().restore(state_dir, ReplicaRestore(host_target)), meta, True
+        handler = ocp.StandardCheckpointHandler(multiprocessing_options=self._multiprocessing)
+        try:
+            target = host_target if self.process_local else abstract_state
+            state = handler.restore(state_dir, args=ocp.args.StandardRestore(target))
+        finally:
+            handler.close()
+        return state, meta, self.process_local
+
     def restore_latest(self, abstract_state: Any) -> Restored | None:
         """The newest checkpoint that restores and checks out; None when there is none at all.
+
+        ``abstract_state``: shapes, dtypes and shardings of the state (its
+        `SpareStep.abstract_state`). Either layout restores: a replica (written
+        by one process of a multi-process job) is read on the host and placed;
+        sharded arrays are read as host arrays in a multi-process job (no
+        process waits on another) and onto their shardings in a lone one.
 
         Raises:
             NoUsableCheckpoint: checkpoints exist but every one of them failed.
         """
-        self.wait()
+        self._settle()
         self._manager.reload()
         tried = 0
+        host_target = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_state)
+        shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
         for step in sorted(self._manager.all_steps(), reverse=True):
             tried += 1
             start = time.perf_counter()
             try:
-                out = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                    ),
-                )
-                meta = dict(out["meta"])
-                got, want = param_checksum(out["state"].params), meta["param_checksum"]
+                state, meta, host = self._read(step, abstract_state, host_target)
+                got, want = param_checksum(state.params), meta["param_checksum"]
                 if not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
                     raise ValueError(f"parameter checksum {got!r} differs from the saved {want!r}")
             except Exception as error:  # noqa: BLE001 - any failure means: not this one
                 self._quarantine(step, error)
                 continue
             self._manager.reload()
-            return Restored(step, out["state"], meta, time.perf_counter() - start)
+            if host:
+                state = multihost.from_local(state, shardings)
+            return Restored(step, state, meta, time.perf_counter() - start)
         self._manager.reload()
         if tried:
             raise NoUsableCheckpoint(
@@ -332,3 +684,14 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total

@@ -201,7 +201,8 @@ _HELP = ("--help", "-?", "--helpshort", "--helpfull")
 
 def _parse(argv: list[str]) -> list[str]:
     """absl parsing where every bad flag, config file or override exits 2 on one line."""
-    argv = [argv[0], *("--help" if a == "-h" else a for a in argv[1:])]
+    cut = argv.index("--") if "--" in argv else len(argv)  # after "--": another program's
+    argv = [argv[0], *("--help" if a == "-h" else a for a in argv[1:cut]), *argv[cut:]]
     try:
         return flags.FLAGS(argv)
     except SystemExit:  # absl exits 1 after printing --help; asking for help is no error
@@ -218,11 +219,14 @@ def _parse(argv: list[str]) -> list[str]:
     raise AssertionError("unreachable: fail() exits")
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-    """Run an absl `main`: bad input exits 2 on one line; Ctrl-C exits 130 on one line."""
+def run(main: Callable[[list[str]], None], *, allow_args: bool = False) -> None:
+    """Run an absl `main`: bad input exits 2 on one line; Ctrl-C exits 130 on one line.
+
+    ``allow_args``: positional arguments (those after ``--``) reach ``main``.
+    """
 
     def guarded(argv: list[str]) -> None:
-        if len(argv) > 1:
+        if len(argv) > 1 and not allow_args:
             fail(f"unexpected arguments: {' '.join(argv[1:])}")
         try:
             main(argv)

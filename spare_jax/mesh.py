@@ -89,7 +89,10 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
             f"mesh {dims} needs {need} devices but only {len(devs)} are available "
             '(on CPU, jax.config.update("jax_num_cpu_devices", N) before JAX starts)'
         )
-    return jax.make_mesh(dims, AXES, axis_types=(AxisType.Auto,) * 3, devices=devs[:need])
+    # (process, id) order: group g owns devices g*M .. (g+1)*M - 1, so in a
+    # multi-process job a process with a multiple of M devices holds whole groups.
+    devs = sorted(devs, key=lambda d: (d.process_index, d.id))[:need]
+    return Mesh(np.array(devs).reshape(dims), AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def num_groups(mesh: Mesh) -> int:

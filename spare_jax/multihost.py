@@ -17,17 +17,21 @@ with JAX's own machinery (``jax.distributed`` and its coordination service):
   processes: a process's devices hold one or more complete groups, so a dead
   process takes whole groups with it and every survivor still holds a full
   replica of the (group-replicated) train state.
-* **Detection and recovery** (`Executor`). Each step runs inside
-  ``multihost_utils.live_devices``; a membership change raises
-  ``ProcessFailureError`` on every survivor at once. The survivors then build
-  a mesh over their own devices, re-wrap the state from the buffers they
-  already hold (nothing moves; the step does not donate them), rebuild the
-  step for the original placement restricted to the live groups
-  (`SpareStep.on_mesh`), and hand all of it back as `ProcessLost`: the trainer
-  marks the groups dead and retries the same step.
+* **Recovery pieces** (`survivors_mesh`, `reshard`). `spare_jax.trainer.Trainer`
+  runs each step inside ``multihost_utils.live_devices``; a membership
+  change raises ``ProcessFailureError`` on every survivor at once. The
+  survivors then build a mesh over their own devices and re-wrap the state
+  from the buffers they already hold (nothing moves; the step does not
+  donate them).
 * **Checkpoints** (`local_view`, `from_local`). A process saves and restores
   its own replica as host arrays, so a save never waits on a barrier with a
   dead process (one process, the lowest live one, writes).
+
+* **The job's environment** (`initialize_job`, behind ``spare_jax.initialize``).
+  A launcher (``python -m spare_jax.launch``) tells each worker where the
+  service is, its index and the count through ``SPARE_JAX_*`` variables
+  (`ENV`); a worker declared dead that wakes up (a stall past the heartbeat)
+  leaves with one line and `EXIT_DECLARED_DEAD` instead of a fatal error.
 
 The service and client-only start-up use JAX internals (``jax._src.distributed``,
 ``jaxlib._jax``) that the public API does not expose yet; they are confined to
@@ -37,34 +41,57 @@ The service and client-only start-up use JAX internals (``jax._src.distributed``
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
-import time
+import signal
+import socket
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from jax.sharding import Mesh, NamedSharding
 
-from spare_jax import checks
+from spare_jax import checks, errors, runlog
 from spare_jax import mesh as mesh_lib
-from spare_jax import train_step as step_lib
 
 __all__ = [
-    "RELAUNCH_EXIT",
-    "Executor",
-    "ProcessLost",
+    "ENV",
+    "EXIT_DECLARED_DEAD",
     "collective_timeout_flag",
     "from_local",
     "global_mesh",
     "groups_of_processes",
+    "host_copy",
     "initialize",
+    "initialize_job",
+    "leave",
     "local_view",
+    "on_mesh",
+    "reshard",
     "serve",
+    "survivors_mesh",
 ]
 
-RELAUNCH_EXIT = 75  # a worker's exit status asking its launcher for a fresh job (a rollback)
+# What a launcher tells each worker (torchrun's RANK and WORLD_SIZE, in our names).
+ENV = {
+    "coordinator": "SPARE_JAX_COORDINATOR",  # host:port of the coordination service
+    "process_id": "SPARE_JAX_PROCESS_ID",
+    "num_processes": "SPARE_JAX_NUM_PROCESSES",
+    "devices": "SPARE_JAX_DEVICES_PER_PROCESS",  # CPU devices to simulate in each worker
+    "heartbeat_s": "SPARE_JAX_HEARTBEAT_S",
+    "collective_timeout_s": "SPARE_JAX_COLLECTIVE_TIMEOUT_S",
+    "launch_dir": "SPARE_JAX_LAUNCH_DIR",  # the launcher's files (worker logs, kill times)
+    "exit_with_parent": "SPARE_JAX_EXIT_WITH_PARENT",
+    "relaunched_at": "SPARE_JAX_RELAUNCHED_AT",  # wall time the interrupted job ended
+    "kills": "SPARE_JAX_KILLS",  # the fault injector's cues, PROCESS=STEP,... (testing)
+}
+EXIT_DECLARED_DEAD = 76  # a worker the job declared dead (a stall past the heartbeat) woke up
+DEFAULT_HEARTBEAT_S = 10
+DEFAULT_COLLECTIVE_TIMEOUT_S = 10
 
 
 def collective_timeout_flag(seconds: int) -> str:
@@ -88,6 +115,16 @@ def serve(port: int, processes: int, heartbeat_s: int, shutdown_s: int = 5) -> A
     )
 
 
+def _declared_dead(*_: Any) -> None:
+    """The service has declared this process dead (it stalled past the heartbeat): leave."""
+    sys.stderr.write(
+        "spare-jax: this process was declared dead by the job (no heartbeat within the "
+        "timeout: stopped or stalled); the others went on without it; leaving\n"
+    )
+    sys.stderr.flush()
+    os._exit(EXIT_DECLARED_DEAD)
+
+
 def _connect(address: str, processes: int, process_id: int, heartbeat_s: int) -> None:
     """``jax.distributed.initialize`` as a client only: the service runs elsewhere (`serve`)."""
     from jax._src import distributed
@@ -107,6 +144,7 @@ def _connect(address: str, processes: int, process_id: int, heartbeat_s: int) ->
         init_timeout=120,
         shutdown_timeout=5,
         heartbeat_timeout=heartbeat_s,
+        missed_heartbeat_callback=_declared_dead,
         use_compression=True,
     )
     state.client.connect()
@@ -143,6 +181,133 @@ def initialize(
     )
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(ENV[name])
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{ENV[name]}={value!r} is not an integer") from None
+
+
+def _exit_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the launcher's exit paths still kill us
+        pass
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def initialize_job(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_s: int | None = None,
+    collective_timeout_s: int | None = None,
+    local_devices: int | None = None,
+) -> bool:
+    """Join the multi-process job this process belongs to, if any; True when it did.
+
+    Each argument not given is read from the launcher's variables (`ENV`);
+    with no coordinator anywhere this is a lone process and nothing happens
+    (beyond ``local_devices`` simulated CPU devices when given). Must run before
+    JAX starts a backend: the device count and the CPU collective timeout are
+    fixed then.
+
+    Raises:
+        RuntimeError: JAX has already started a backend.
+        ValueError: inconsistent settings (named).
+    """
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "spare_jax.initialize() must run before any JAX computation or device query"
+        )
+    address = coordinator_address or os.environ.get(ENV["coordinator"]) or None
+    count = num_processes if num_processes is not None else _env_int("num_processes")
+    index = process_id if process_id is not None else _env_int("process_id")
+    if address is not None and index is None and "SLURM_PROCID" in os.environ:
+        index = int(os.environ["SLURM_PROCID"])  # one srun step: SLURM numbers the tasks
+        if count is None:
+            count = int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ["SLURM_NTASKS"]))
+    devices = local_devices if local_devices is not None else _env_int("devices")
+    if devices is not None:
+        jax.config.update("jax_num_cpu_devices", checks.integer("local_devices", devices, low=1))
+    if address is None and count is None and index is None:
+        _install_exit_handlers(joined=False)
+        return False
+    if None in (address, count, index):
+        raise ValueError(
+            "a multi-process job needs a coordinator address, a process count and a process id "
+            f"(got {address!r}, {count!r}, {index!r})"
+        )
+    checks.integer("num_processes", count, low=1)
+    checks.integer("process_id", index, low=0, high=count - 1)
+    heartbeat = heartbeat_s or _env_int("heartbeat_s") or DEFAULT_HEARTBEAT_S
+    timeout = (
+        collective_timeout_s or _env_int("collective_timeout_s") or DEFAULT_COLLECTIVE_TIMEOUT_S
+    )
+    flag = collective_timeout_flag(timeout)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    if os.environ.get(ENV["exit_with_parent"]) == "1":
+        _exit_with_parent()
+    external = os.environ.get(ENV["coordinator"]) == address  # a launcher hosts the service
+    initialize(
+        coordinator_address=address,
+        num_processes=count,
+        process_id=index,
+        heartbeat_s=checks.integer("heartbeat_s", heartbeat, low=1),
+        external_service=external,
+    )
+    _install_exit_handlers(joined=True)
+    runlog.emit("hello", process=index, pid=os.getpid(), host=socket.gethostname())
+    return True
+
+
+def leave(timeout_s: float = 15.0) -> bool:
+    """Leave the job without waiting on dead peers for more than ``timeout_s``; True if left."""
+    done = threading.Thread(target=jax.distributed.shutdown, daemon=True)
+    done.start()
+    done.join(timeout_s)
+    return not done.is_alive()
+
+
+def _install_exit_handlers(*, joined: bool) -> None:
+    """An uncaught `errors.FitError` exits with its status on one line; the exit never hangs.
+
+    A process whose peers died can wait a long time in JAX's own shutdown:
+    at exit it leaves the job with a bound, then ends.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if isinstance(value, errors.FitError):
+            sys.stderr.write(f"{os.path.basename(sys.argv[0] or 'python')}: {value}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            if joined:
+                leave()
+            os._exit(value.exit_status)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    if not joined:
+        return
+
+    def bounded_exit() -> None:
+        if not leave():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    atexit.register(bounded_exit)  # runs before JAX's own (registered earlier)
+
+
 def global_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``(data, redundancy, model)`` mesh with devices in (process, id) order.
 
@@ -171,7 +336,7 @@ def groups_of_processes(mesh: Mesh) -> np.ndarray:
     return procs[:, 0]
 
 
-def _group_devices(mesh: Mesh) -> dict[int, list[jax.Device]]:
+def group_devices(mesh: Mesh) -> dict[int, list[jax.Device]]:
     flat = mesh.devices.reshape(mesh_lib.num_groups(mesh), -1)
     return {g: list(row) for g, row in enumerate(flat)}
 
@@ -194,11 +359,11 @@ def reshard(state: Any, shardings: Any) -> Any:
     return jax.tree.map(_rewrap, state, shardings)
 
 
-def _on(mesh: Mesh, shardings: Any) -> Any:
+def on_mesh(mesh: Mesh, shardings: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s.spec), shardings)
 
 
-def _host_copy(x: jax.Array) -> np.ndarray:
+def host_copy(x: jax.Array) -> np.ndarray:
     """This process's full copy of a group-replicated array, assembled from its own shards."""
     out = np.empty(x.shape, x.dtype)
     for shard in x.addressable_shards:
@@ -215,121 +380,21 @@ def local_view(state: Any) -> Any:
     """
     if jax.process_count() == 1:
         return state
-    return jax.tree.map(_host_copy, state)
-
-
-def local_abstract(abstract: Any) -> Any:
-    """A restore target in `local_view`'s layout."""
-    if jax.process_count() == 1:
-        return abstract
-    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+    return jax.tree.map(host_copy, state)
 
 
 def from_local(local: Any, shardings: Any) -> Any:
     """The global state from every process's host replica (the inverse of `local_view`)."""
-    if jax.process_count() == 1:
-        return local
     place = lambda h, s: jax.make_array_from_callback(h.shape, s, lambda index: h[index])
     return jax.tree.map(place, local, shardings)
 
 
-class ProcessLost(Exception):
-    """Processes died during a step; the survivors' new step and state are ready.
-
-    Attributes:
-        processes: the dead process ids.
-        groups: the groups they held.
-        step: the `SpareStep` over the survivors' mesh, compiled.
-        state: the train state re-wrapped onto it.
-        detected: wall-clock time of the detection.
-        rebuild_s: seconds to build the new mesh and re-wrap the state.
-        compile_s: seconds to compile the step for it (0 when precompiled).
-    """
-
-    def __init__(self, processes, groups, step, state, detected, rebuild_s, compile_s):
-        self.processes, self.groups = sorted(processes), sorted(groups)
-        self.step, self.state, self.detected = step, state, detected
-        self.rebuild_s, self.compile_s = rebuild_s, compile_s
-        super().__init__(f"processes {self.processes} (groups {self.groups}) died")
-
-
-class Executor:
-    """Runs one step under ``live_devices`` and turns a lost process into `ProcessLost`.
-
-    Args:
-        step: the step in force (replaced by the one in each `ProcessLost`).
-        stall_at: step index at which this process stops inside the step and
-            waits to be killed: how the launcher kills a worker mid-step.
-        on_stall: called when the stall begins (the launcher's cue to kill).
-        precompile: before the first step, compile the step for every mesh
-            that one more process failure would leave (one compile per other
-            process, at start-up), so that a recovery need not compile.
-    """
-
-    def __init__(self, step, *, stall_at=None, on_stall=None, precompile=False):
-        self.step, self.stall_at, self.on_stall = step, stall_at, on_stall
-        self.index = 0
-        self._devices = list(step.mesh.devices.flat)
-        self._owners = groups_of_processes(step.mesh)
-        self._by_group = _group_devices(step.mesh)
-        self._precompile = precompile
-        self._ready: dict[tuple[int, ...], step_lib.SpareStep] = {}
-
-    @property
-    def live_groups(self) -> list[int]:
-        return [int(g) for g in self.step.rows]
-
-    def _survivors(self, live: Sequence[int], state: Any) -> tuple[step_lib.SpareStep, Any]:
-        mesh = survivors_mesh(self._by_group, live)
-        step = self._ready.get(tuple(live)) or self.step.on_mesh(mesh, np.asarray(live))
-        shardings = _on(step.mesh, jax.tree.map(lambda x: x.sharding, state))
-        return step, shardings
-
-    def _precompile_all(self, state: Any, stacks: Any) -> None:
-        """Compile the survivors' step for each single process failure."""
-        me = jax.process_index()
-        for proc in sorted(set(self._owners[self.live_groups].tolist()) - {me}):
-            live = [g for g in self.live_groups if self._owners[g] != proc]
-            step, shardings = self._survivors(live, state)
-            abstract = jax.tree.map(
-                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings
-            )
-            step.precompile(abstract, stacks)
-            self._ready[tuple(live)] = step
-
-    def __call__(self, state: Any, stacks: Any, table: Any) -> tuple[Any, dict]:
-        if self._precompile:
-            self._precompile = False
-            self._precompile_all(state, stacks)
-        try:
-            with live_devices(self._devices):
-                if self.stall_at is not None and self.index == self.stall_at:
-                    self.stall_at = None
-                    if self.on_stall:
-                        self.on_stall()
-                    time.sleep(3600.0)  # the launcher kills this process now
-                out = self.step.run(state, stacks, table)
-                jax.block_until_ready(out)
-        except ProcessFailureError as err:
-            detected = time.time()
-            dead_procs = sorted({d.process_index for d in err.failed_devices})
-            dead_groups = [g for g in self.live_groups if self._owners[g] in dead_procs]
-            live = [g for g in self.live_groups if g not in dead_groups]
-            step, shardings = self._survivors(live, state)
-            new_state = reshard(state, shardings)
-            self._devices = list(step.mesh.devices.flat)
-            rebuilt = time.time()
-            compile_s = 0.0 if step.slot_bound in step._aot else step.precompile(new_state, stacks)
-            self.step, self._ready = step, {}
-            raise ProcessLost(
-                dead_procs, dead_groups, step, new_state, detected, rebuilt - detected, compile_s
-            ) from None
-        return out
-
-
-def kill_time(workdir: str, process: int) -> float | None:
-    """When the launcher killed ``process`` (it leaves the time in the work directory), if known."""
-    path = os.path.join(workdir, "launch", f"killed-{process}")
+def kill_time(process: int) -> float | None:
+    """When the launcher's fault injector killed ``process`` (it leaves the time), if known."""
+    launch_dir = os.environ.get(ENV["launch_dir"])
+    if not launch_dir:
+        return None
+    path = os.path.join(launch_dir, f"killed-{process}")
     try:
         with open(path, encoding="utf-8") as f:
             return float(f.read().strip())

@@ -10,6 +10,11 @@ key: ``checkpoint`` (``step``, ``save_s``), ``failure`` (``step``,
 ``to_step``, ``lost_steps``, ``restore_s``), ``resume`` (``step``), and, with
 real processes, ``process_failure``, ``recovered`` and ``relaunch``.
 
+Two kinds of line leave a worker for its launcher: `notice` (stderr, for
+the person running the job: a fall-back past a damaged checkpoint, a process
+declared dead) and `emit` (stdout, one JSON object the launcher acts on: a
+process declared dead, progress, a resume).
+
 Files are opened without following symbolic links, so a record is never
 written outside the work directory, and ``summary.json`` is replaced
 atomically.
@@ -23,15 +28,32 @@ resume, recovered and relaunch events give the stalls and the recovery time.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["RunLog", "goodput", "read_records"]
+from spare_jax import errors
+
+__all__ = ["EVENT", "NOTICE", "RunLog", "emit", "goodput", "notice", "read_records"]
 
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _storage_error(path: str, err: OSError) -> errors.StorageError:
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    where = os.path.dirname(os.path.abspath(path))
+    if full:
+        return errors.StorageError(
+            f"the disk holding {where} is full: cannot append to {path} ({err.strerror}); "
+            "the newest intact checkpoint is kept; free some space and rerun the same command "
+            "to resume",
+            disk_full=True,
+        )
+    return errors.StorageError(f"cannot write {path}: {err.strerror}", disk_full=False)
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -88,9 +110,17 @@ class RunLog:
         return max(attempts) + 1 if attempts else 0
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record (one line, handed to the OS at once); only the writer writes."""
-        if self._fd is not None:
+        """Append one record (one line, handed to the OS at once); only the writer writes.
+
+        Raises:
+            errors.StorageError: the line could not be written (a full disk named as such).
+        """
+        if self._fd is None:
+            return
+        try:
             os.write(self._fd, (json.dumps(record, allow_nan=False) + "\n").encode())
+        except OSError as err:
+            raise _storage_error(self.metrics_path, err) from None
 
     def event(self, name: str, **fields: Any) -> dict[str, Any]:
         """Append an event record ``{"event": name, ...}`` and return it."""
@@ -107,11 +137,14 @@ class RunLog:
         if self._fd is None:
             return
         tmp = os.path.join(self.workdir, f".summary.json.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, self.summary_path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2, allow_nan=False)
+                f.write("\n")
+            os.replace(tmp, self.summary_path)
+        except OSError as err:
+            raise _storage_error(self.summary_path, err) from None
 
     def close(self) -> None:
         if self._fd is not None:
@@ -163,3 +196,20 @@ def goodput(records: Iterable[dict[str, Any]], microbatches: int) -> dict[str, f
     out = {k: round(v, 6) if math.isfinite(v) else 0.0 for k, v in out.items()}
     out["total_s"] = round(sum(out.values()), 6)
     return out
+
+
+NOTICE = "spare-jax: "  # a line for the person running the job (a launcher relays it)
+EVENT = "spare-jax-event: "  # a line for the launcher: one JSON object
+
+
+def notice(message: str) -> None:
+    """Tell the person running the job, on one stderr line that a launcher relays."""
+    sys.stderr.write(f"{NOTICE}{' '.join(message.split())}\n")
+    sys.stderr.flush()
+
+
+def emit(kind: str, **fields: Any) -> None:
+    """Tell the launcher (when there is one) something it acts on: one JSON line on stdout."""
+    if os.environ.get("SPARE_JAX_LAUNCH_DIR"):
+        sys.stdout.write(f"{EVENT}{json.dumps({'kind': kind, **fields})}\n")
+        sys.stdout.flush()

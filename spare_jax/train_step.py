@@ -30,7 +30,6 @@ stack size ``r * m``, no exact assignment exceeds).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -154,15 +153,6 @@ def _put(value: Any, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(value.copy(), sharding)
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-@dataclasses.dataclass(frozen=True)
-class _BatchLayout:
-    """What a batch looks like: its structure, leaf shapes after the unit axis, rows per unit."""
-
-    treedef: Any
-    rest: tuple[tuple[int, ...], ...]
-    rows: int
 
 
 class SpareStep:
@@ -299,8 +289,9 @@ class SpareStep:
             self._tables.popitem(last=False)
         return self._tables[key]
 
-    def _layout(self, batch: Any) -> _BatchLayout:
-        leaves, treedef = jax.tree.flatten(batch)
+    def _rows_per_unit(self, batch: Any) -> int:
+        """b, the rows of one micro-batch, after checking the batch's shape."""
+        leaves = jax.tree.leaves(batch)
         if not leaves:
             raise ValueError("batch must hold at least one array")
         sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
@@ -312,20 +303,19 @@ class SpareStep:
             raise ValueError(
                 f"batch must have G*m*b rows (a positive multiple of G*m = {units}), got {n}"
             )
-        rest = tuple(tuple(np.shape(x)[1:]) for x in leaves)
-        return _BatchLayout(treedef, rest, n // units)
+        return n // units
 
     def stacks(self, batch: Any) -> Any:
         """The global batch laid out as every mesh group's stack, placed on the group axis."""
-        layout = self._layout(batch)
+        rows = self._rows_per_unit(batch)
         ids = self._unit_ids
 
         def stack(x: Any) -> jax.Array:
             rest = tuple(np.shape(x)[1:])
-            shape = (ids.shape[0], ids.shape[1], layout.rows, *rest)
+            shape = (ids.shape[0], ids.shape[1], rows, *rest)
             if isinstance(x, jax.Array):
-                return self._gather(x, layout.rows)
-            host = np.asarray(x).reshape(-1, layout.rows, *rest)
+                return self._gather(x, rows)
+            host = np.asarray(x).reshape(-1, rows, *rest)
             return jax.make_array_from_callback(
                 shape, self._group, lambda index: host[ids[index[0]]][(slice(None), *index[1:])]
             )
@@ -426,10 +416,11 @@ class SpareStep:
         new_state, metrics = self.run(state, self.stacks(batch), table)
         return new_state, {**metrics, "max_load": load}
 
-    def on_mesh(self, mesh: Mesh, rows: np.ndarray) -> SpareStep:
+    def on_mesh(self, mesh: Mesh, rows: np.ndarray, *, donate: bool | None = None) -> SpareStep:
         """The same step over another mesh whose groups are the original groups ``rows``.
 
-        Survivors of a real failure use it to continue on their own devices.
+        Survivors of a real failure use it to continue on their own devices;
+        ``donate`` (default: as this step) is off in multi-process jobs.
         """
         return SpareStep(
             self.loss_fn,
@@ -441,7 +432,7 @@ class SpareStep:
             param_specs=self.param_specs,
             slot_bound=self.slot_bound,
             rows=rows,
-            donate=self.donate,
+            donate=self.donate if donate is None else donate,
         )
 
 

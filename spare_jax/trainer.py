@@ -1,60 +1,50 @@
-"""The training loop through failures, rollbacks, re-joins and real process losses.
+"""The owner of one fault-tolerant run: `Trainer`, the loop `spare_jax.fit` drives.
 
-A failure travels one way. `liveness.Failures` changes the live mask before a
-step; `SpareStep.table` turns the mask into the step's slot table (through
-`reorder`, cached per live set); the step runs. When the failures leave a
-shard with no live holder, `reorder.Interruption` comes back instead of a
-table and the loop rolls back: it restores the latest complete checkpoint
-(step 0 if there is none), replaces every failed group and carries on. Every
-step is exact and the data is a pure function of the step, so the parameters
-at the end equal those of a run that never failed.
+One object holds everything a failure touches: the live set
+(`liveness.Failures`), the step in force (it alone swaps it when a process
+is lost), the writer role, the checkpoint interval (`checkpoint.Interval`,
+which is Orbax's save decision), the checkpoints, rollback, resume and the run
+log. A failure travels one way:
 
-With real processes (`spare_jax.multihost`), a dead process surfaces as
-`multihost.ProcessLost` from the step: its groups are marked failed, the
-survivors' new step and state replace the old ones, and the same step is
-retried. A dead process cannot re-join this job, so an interruption after one
-ends the job with `Relaunch`; its launcher starts a fresh job, which resumes
-from the latest checkpoint (the rollback).
+* **simulated** (a schedule or a rate): `Failures.advance` changes the live
+  mask before a step; `SpareStep.table` turns it into the step's slot table;
+  the step runs, exact. When a shard has no live holder `reorder.Interruption`
+  comes back instead, and the trainer rolls back to the latest complete
+  checkpoint with every failed group replaced.
+* **a real process loss** (multi-process jobs): each step runs inside
+  ``multihost_utils.live_devices``; a dead process surfaces there as
+  ``ProcessFailureError`` on every survivor at once. `Trainer._lose` marks
+  its groups failed, builds the survivors' mesh and step (precompiled at
+  start-up with ``precompile_failures``), re-wraps the state from the
+  survivors' own buffers, hands the writer role on if the writer died, and
+  the same step is retried. A dead process cannot re-join this job, so an
+  interruption after one raises `errors.Relaunch`: the launcher starts a fresh
+  job, which resumes from the latest checkpoint (the rollback).
 
-The loop keeps the run's books: `checkpoint.Checkpointer` saves at the
-interval `checkpoint.IntervalModel` derives from measured figures;
-`runlog.RunLog` appends every step and event to ``metrics.jsonl`` and writes
-``summary.json``. Rerunning in the same work directory resumes.
+Every step is exact and ``batches(t)`` is a pure function of ``t``, so the
+parameters at the end equal those of a run that never failed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 import os
-import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from spare_jax import checkpoint as ckpt_lib
-from spare_jax import liveness, multihost, reorder, runlog, strategies
-from spare_jax.experiment import Run
+from spare_jax import errors, liveness, multihost, reorder, runlog
+from spare_jax import train_step as step_lib
 
-__all__ = ["NonFiniteLoss", "Relaunch", "TooManyRollbacks", "host_scalar", "train"]
+__all__ = ["Trainer", "host_scalar"]
 
-log = logging.getLogger(__name__)
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss or gradient became NaN or infinite (the state was kept as before that step)."""
-
-
-class TooManyRollbacks(RuntimeError):
-    """The run rolled back more often than ``checkpoint.max_rollbacks`` allows."""
-
-
-class Relaunch(RuntimeError):
-    """An interruption after a real process loss: only a fresh job can roll back."""
+_TRANSIENT_RETRIES = 3
 
 
 def host_scalar(x: jax.Array) -> Any:
@@ -62,225 +52,341 @@ def host_scalar(x: jax.Array) -> Any:
     return np.asarray(x.addressable_shards[0].data).item()
 
 
-@dataclasses.dataclass
-class _Interval:
-    """The checkpoint interval in force, where it came from, and the measurements behind it."""
-
-    model: ckpt_lib.IntervalModel
-    pinned: int
-    steps: int = 0
-    source: str = "model"
-    figures: dict[str, float] = dataclasses.field(default_factory=dict)
-    stalls: list[float] = dataclasses.field(default_factory=list)
-    saves: list[float] = dataclasses.field(default_factory=list)
-    restore_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.pinned:
-            self.steps, self.source = self.pinned, "flag"
-
-    def update(self, step_times: list[float]) -> bool:
-        """Re-derive the interval from the medians measured so far; True when it changed."""
-        if self.pinned or not step_times or not self.stalls:
-            return False
-        # The first save also pays Orbax's one-time start-up: leave it out once
-        # there are others.
-        stalls = self.stalls[1:] or self.stalls
-        saves = self.saves[1:] or self.saves
-        stall = statistics.median(stalls)
-        save = statistics.median(saves) if saves else stall
-        restore = self.restore_s if self.restore_s is not None else save
-        step = statistics.median(step_times)
-        steps, self.figures = self.model.interval(step, stall, save, restore)
-        changed = steps != self.steps
-        self.steps = steps
-        return changed
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "source": self.source, "figures": self.figures}
-
-
-def interval_model(run: Run, failures: liveness.Failures) -> ckpt_lib.IntervalModel:
-    """The analytical model of this run's checkpoint interval."""
-    config = run.config
+def interval_model(
+    step: step_lib.SpareStep, failures: liveness.Failures, steps: int, gpu_mtbf_hours: float
+) -> ckpt_lib.IntervalModel:
+    """The analytical model of a run's checkpoint interval."""
+    kind = {"replication": "replication", "data_parallel": "dp"}.get(step.placement.kind, "spare")
     return ckpt_lib.IntervalModel(
-        strategy=strategies.canonical(config.strategy),
-        redundancy=run.step.placement.redundancy,
-        microbatches=run.step.microbatches,
-        policy=config.policy,
-        groups=run.groups,
-        devices_per_group=int(run.step.mesh.shape["model"]),
-        steps=int(config.steps),
+        strategy=kind,
+        redundancy=step.placement.redundancy,
+        microbatches=step.microbatches,
+        policy=step.policy,
+        groups=step.groups,
+        devices_per_group=int(step.mesh.shape["model"]),
+        steps=steps,
         failure_rate=failures.total_rate,
-        gpu_mtbf_hours=float(config.checkpoint.gpu_mtbf_hours),
+        gpu_mtbf_hours=gpu_mtbf_hours,
         repair_steps=failures.repair_steps,
     )
 
 
-class _Loop:
-    """One attempt at the run: its state, books, and the handling of each kind of failure."""
+class Trainer:
+    """One attempt at a run: its state, its books, and the handling of each kind of failure.
 
-    def __init__(self, run, failures, workdir, checkpoint_steps, on_step, executor):
-        config = run.config
-        self.run, self.failures, self.on_step, self.executor = run, failures, on_step, executor
-        self.workdir = workdir
-        self.total = int(config.steps)
-        self.warmup = int(config.checkpoint.warmup_steps)
-        self.max_rollbacks = int(config.checkpoint.max_rollbacks)
-        self.interval = _Interval(interval_model(run, failures), checkpoint_steps)
-        calibrate = set() if checkpoint_steps else {min(self.warmup + 1, self.total)}
-        self.policy = ckpt_lib.IntervalPolicy(
-            interval=self.interval.steps or self.total, extra=frozenset(calibrate | {self.total})
+    Args:
+        step: the SPARe step (`spare_jax.make_train_step`) over the whole job's mesh.
+        params: the initial parameters (any pytree of NumPy or JAX arrays).
+        batches: ``batches(t)``, the failure-free global batch of step ``t``; pure in ``t``.
+        workdir: ``metrics.jsonl``, ``summary.json`` and ``checkpoints/`` live here.
+        steps: the run's length.
+        failures: the simulated failure process (its state is checkpointed).
+        checkpoint_steps: 0 for the analytical model's interval, N > 0 to pin it.
+        keep: complete checkpoints kept.
+        warmup_steps: steps timed before the first (calibration) save.
+        max_rollbacks: give up past this many rollbacks.
+        gpu_mtbf_hours: the failure rate the interval model assumes when none is configured.
+        precompile_failures: multi-process: compile at start-up the step each single
+            process failure would leave, so that a recovery does not compile.
+        on_step: called with each per-step record.
+        fault_hook: called with ``t`` at the start of each step, inside its
+            membership scope (`spare_jax.testing`).
+    """
+
+    def __init__(
+        self,
+        step: step_lib.SpareStep,
+        params: Any,
+        batches: Callable[[int], Any],
+        workdir: str,
+        *,
+        steps: int,
+        failures: liveness.Failures,
+        checkpoint_steps: int = 0,
+        keep: int = 3,
+        warmup_steps: int = 3,
+        max_rollbacks: int = 100,
+        gpu_mtbf_hours: float = 5.1e4,
+        precompile_failures: bool = False,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        fault_hook: Callable[[int], None] | None = None,
+    ):
+        self.multi = jax.process_count() > 1
+        if self.multi and step.donate:  # survivors re-wrap the buffers of a failed step
+            step = step.on_mesh(step.mesh, step.rows, donate=False)
+        self.step, self.params0, self.batches = step, params, batches
+        self.workdir, self.total, self.failures = workdir, steps, failures
+        self.warmup, self.max_rollbacks = warmup_steps, max_rollbacks
+        self.on_step, self.fault_hook = on_step, fault_hook
+        model = None if checkpoint_steps else interval_model(step, failures, steps, gpu_mtbf_hours)
+        calibrate = frozenset() if checkpoint_steps else frozenset({min(warmup_steps + 1, steps)})
+        self.interval = ckpt_lib.Interval(
+            total=steps, model=model, pinned=checkpoint_steps, extra=calibrate
         )
-        self.multi = executor is not None and jax.process_count() > 1
+        self.owners = multihost.groups_of_processes(step.mesh) if self.multi else None
+        self._by_group = multihost.group_devices(step.mesh)
+        self._devices = list(step.mesh.devices.flat)
+        self._ready: dict[tuple[int, ...], step_lib.SpareStep] = {}
+        self._precompile = precompile_failures and self.multi
         writer = self._is_writer()
-        self.records = runlog.RunLog(workdir, writer=writer)
+        self.log = runlog.RunLog(workdir, writer=writer)
         self.ckpt = ckpt_lib.Checkpointer(
             os.path.join(workdir, "checkpoints"),
-            self.policy,
-            keep=int(config.checkpoint.keep),
+            self.interval,
+            keep=keep,
             writer=writer,
             process_local=self.multi,
         )
-        self.attempt = self.records.next_attempt
-        self.global_abstract = run.step.abstract_state(run.params)
+        self.attempt = self.log.next_attempt
+        self.global_abstract = step.abstract_state(params)
         self.step_times: list[float] = []
         self.rollbacks = 0
         self.state: Any = None
         self.t = 0
         self.last_loss = math.nan
-        self.recovering: dict[str, Any] | None = None
+        self.recovering: dict[str, float] | None = None
+        self.lost_processes: list[int] = []
+        self._last_emit = 0.0
+        self.preemption: Any = None  # set by `spare_jax.fit` in a lone process
+        self._resync = False
+        self._transient = 0  # failed collectives in a row with every process alive
 
-    # ---------------------------------------------------------------- roles
+    # ------------------------------------------------------------------ roles
+
+    @property
+    def live_groups(self) -> list[int]:
+        return [int(g) for g in self.step.rows]
 
     def _is_writer(self) -> bool:
         """One process writes the books: the lowest process that still holds a live group."""
-        if jax.process_count() == 1:
+        if not self.multi:
             return True
-        owners = multihost.groups_of_processes(self.run.step.mesh)
-        return jax.process_index() == int(owners.min())
+        return jax.process_index() == int(self.owners[self.live_groups].min())
+
+    # ------------------------------------------------------------ checkpoints
 
     def _restore(self) -> ckpt_lib.Restored | None:
-        target = multihost.local_abstract(self.global_abstract)
-        restored = self.ckpt.restore_latest(target)
-        if restored is None or not self.multi:
-            return restored
-        shardings = jax.tree.map(lambda a: a.sharding, self.global_abstract)
-        state = multihost.from_local(restored.state, shardings)
-        return dataclasses.replace(restored, state=state)
+        return self.ckpt.restore_latest(self.global_abstract)
 
-    def _save(self, step: int, *, force: bool = False) -> float | None:
+    def _save(self, *, force: bool = False) -> None:
+        """Let Orbax's policy decide on step ``t`` (or force it); note finished saves."""
+        for saved in self.ckpt.poll():
+            self._note(saved)
+        if not (force or self.ckpt.due(self.t)):  # most steps: nothing to build or copy
+            return
         state = multihost.local_view(self.state) if self.multi else self.state
         meta = {
-            "step": step,
+            "step": self.t,
             "attempt": self.attempt,
             "liveness": self.failures.state_dict(),
             "interval": self.interval.as_dict(),
         }
-        return self.ckpt.save(step, state, meta, force=force)
+        stall = self.ckpt.save(self.t, state, meta, force=force)
+        if stall is not None:
+            self.interval.stalls.append(stall)
 
-    # ---------------------------------------------------------------- phases
+    def _note(self, saved: ckpt_lib.Saved) -> None:
+        """A save completed with all its files: on record, and the interval re-derived."""
+        self.log.event(
+            "checkpoint",
+            step=saved.step,
+            save_s=round(saved.stall_s, 6),
+            write_s=round(saved.write_s, 6),
+        )
+        self.interval.saves.append(saved.write_s)
+        if self.interval.update(self.step_times):
+            self._log_interval()
+
+    def _log_interval(self) -> None:
+        f = self.interval.figures
+        runlog.notice(
+            f"checkpoint interval {self.interval.steps} steps: the model's optimum "
+            f"{f['interval_s']:.3f} s for step {f['step_s']:.4f} s, save stall "
+            f"{f['save_stall_s']:.4f} s, save {f['save_s']:.4f} s, restore {f['restore_s']:.4f} s, "
+            f"group MTBF {f['group_mtbf_s']:.2f} s (MTTI {f['mtti_s']:.2f} s)"
+        )
+
+    # ----------------------------------------------------------------- phases
 
     def start(self) -> None:
         """Resume from the latest good checkpoint, or start fresh at step 0."""
         restored = self._restore()
         if restored is None:
-            self.state, self.t = self.run.fresh_state(), 0
-        else:
-            self.state, self.t = restored.state, restored.step
-            self.failures.load_state_dict(restored.meta["liveness"])
-            for r in self.records.previous:  # schedule entries fired after that save stay fired
-                if r.get("event") == "failure":
-                    self.failures.fired.update((int(r["step"]), int(g)) for g in r["scheduled"])
-            saved = restored.meta.get("interval", {})
-            if not self.interval.pinned and saved.get("steps"):
-                self.interval.steps, self.interval.figures = saved["steps"], saved["figures"]
-            self.interval.restore_s = restored.restore_s
-            self.records.event(
-                "resume",
-                step=restored.step,
-                restore_s=round(restored.restore_s, 6),
-                attempt=self.attempt,
-            )
-            log.info("resumed from checkpoint %d (attempt %d)", restored.step, self.attempt)
-        self.policy.interval = self.interval.steps or self.total
+            self.state, self.t = self.step.init(self.params0), 0
+            self._note_relaunch(0)  # a relaunch before the first checkpoint starts over
+            return
+        self.state, self.t = restored.state, restored.step
+        self.failures.load_state_dict(restored.meta["liveness"])
+        for r in self.log.previous:  # schedule entries fired after that save stay fired
+            if r.get("event") == "failure":
+                self.failures.fired.update((int(r["step"]), int(g)) for g in r["scheduled"])
+        self.interval.load(restored.meta.get("interval", {}))
+        self.interval.restore_s = restored.restore_s
+        self.log.event(
+            "resume",
+            step=restored.step,
+            restore_s=round(restored.restore_s, 6),
+            attempt=self.attempt,
+        )
+        self._note_relaunch(restored.step)
+        runlog.notice(f"resumed from checkpoint {restored.step} (attempt {self.attempt})")
+
+    def _note_relaunch(self, to: int) -> None:
+        """The launcher started this job after an interruption: put the relaunch on record."""
+        started = os.environ.get(multihost.ENV["relaunched_at"])
+        if not started:
+            return
+        runlog.emit("resumed", step=to)
+        steps = [r["step"] for r in self.log.previous if "event" not in r and "step" in r]
+        reached = max(steps) + 1 if steps else to
+        self.log.event(
+            "relaunch",
+            to_step=to,
+            lost_steps=max(reached - to, 0),
+            relaunch_s=round(time.time() - float(started), 6),
+            attempt=self.attempt,
+            rolled_back=True,
+        )
 
     def rollback(self, err: reorder.Interruption) -> None:
         """Restore the latest complete checkpoint (or a fresh state), replace the failed groups."""
-        if self.multi and len(self.run.step.rows) < self.run.groups:
-            self.ckpt.wait()
-            raise Relaunch(
-                f"interrupted at step {self.t} after a process loss: shard(s) "
-                f"{np.asarray(err.uncovered).tolist()} have no live holder; relaunch to roll back"
+        uncovered = np.asarray(err.uncovered).tolist()
+        if self.lost_processes:
+            self._wait_for_saves()
+            raise errors.Relaunch(
+                f"interrupted at step {self.t} after the loss of process(es) "
+                f"{self.lost_processes}: shard(s) {uncovered} have no live holder; "
+                "a fresh job rolls back"
             )
         self.rollbacks += 1
         if self.rollbacks > self.max_rollbacks:
-            raise TooManyRollbacks(
-                f"rolled back {self.rollbacks - 1} times (checkpoint.max_rollbacks); "
+            raise errors.TooManyRollbacks(
+                f"rolled back {self.rollbacks - 1} times (max_rollbacks); "
                 "the failure rate leaves no time between interruptions"
             )
         self.attempt += 1
         start = time.perf_counter()
         self.state = None  # the interrupted state goes; its buffers with it
+        self._wait_for_saves()
         restored = self._restore()
         self.state, to = (
-            (self.run.fresh_state(), 0) if restored is None else (restored.state, restored.step)
+            (self.step.init(self.params0), 0)
+            if restored is None
+            else (restored.state, restored.step)
         )
         restore_s = time.perf_counter() - start
         self.interval.restore_s = restore_s
         dead = np.flatnonzero(~self.failures.alive).tolist()
         self.failures.replace_all()
-        self.records.event(
+        self.log.event(
             "rollback",
             from_step=self.t,
             to_step=to,
             lost_steps=self.t - to,
             restore_s=round(restore_s, 6),
-            uncovered=np.asarray(err.uncovered).tolist(),
+            uncovered=uncovered,
             dead=dead,
             attempt=self.attempt,
         )
-        log.warning(
-            "interrupted at step %d: shard(s) %s have no live holder (dead groups %s); "
-            "rolled back to step %d with every failed group replaced",
-            self.t,
-            np.asarray(err.uncovered).tolist(),
-            dead,
-            to,
+        runlog.notice(
+            f"interrupted at step {self.t}: shard(s) {uncovered} have no live holder (dead "
+            f"groups {dead}); rolled back to step {to} with every failed group replaced"
         )
         self.t = to
 
-    def process_lost(self, lost: multihost.ProcessLost, started: float) -> None:
-        """Survivors take over: the new step and state, the dead groups marked failed."""
-        self.run.step, self.state = lost.step, lost.state
-        self.failures.fail(lost.groups, self.t)
-        killed = [multihost.kill_time(self.workdir, p) for p in lost.processes]
+    def _wait_for_saves(self) -> None:
+        for saved in self.ckpt.wait():
+            self._note(saved)
+
+    # ---------------------------------------------------------- process loss
+
+    def _survivors(self, live: Sequence[int]) -> step_lib.SpareStep:
+        ready = self._ready.get(tuple(live))
+        if ready is not None:
+            return ready
+        mesh = multihost.survivors_mesh(self._by_group, live)
+        return self.step.on_mesh(mesh, np.asarray(live))
+
+    def _precompile_all(self, stacks: Any) -> None:
+        """Compile the survivors' step for each single process failure (at start-up)."""
+        me = jax.process_index()
+        shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        for proc in sorted(set(self.owners[self.live_groups].tolist()) - {me}):
+            live = [g for g in self.live_groups if self.owners[g] != proc]
+            step = self._survivors(live)
+            abstract = jax.tree.map(
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                self.state,
+                multihost.on_mesh(step.mesh, shardings),
+            )
+            step.precompile(abstract, step.stacks(self.batches(self.t)))
+            self._ready[tuple(live)] = step
+        del stacks
+
+    def _lose(self, err: ProcessFailureError, started: float) -> None:
+        """Survivors take over: the dead groups failed, the new step and state, the books."""
+        detected = time.time()
+        dead_procs = sorted({d.process_index for d in err.failed_devices})
+        dead_groups = [g for g in self.live_groups if self.owners[g] in dead_procs]
+        live = [g for g in self.live_groups if g not in dead_groups]
+        step = self._survivors(live)
+        shardings = multihost.on_mesh(step.mesh, jax.tree.map(lambda x: x.sharding, self.state))
+        self.state = multihost.reshard(self.state, shardings)
+        self._devices = list(step.mesh.devices.flat)
+        rebuilt = time.time()
+        stacks = step.stacks(self.batches(self.t))
+        compile_s = 0.0 if step.slot_bound in step._aot else step.precompile(self.state, stacks)
+        self.step, self._ready = step, {}
+        self.lost_processes = sorted({*self.lost_processes, *dead_procs})
+        self.failures.fail(dead_groups, self.t)
+        killed = [multihost.kill_time(p) for p in dead_procs]
         origin = max([started, *[k for k in killed if k is not None]])
         if self._is_writer():
-            self.records.become_writer()
+            self.log.become_writer()
             self.ckpt.become_writer()
-        self.records.event(
+        self.log.event(
             "process_failure",
-            process=lost.processes,
-            groups=lost.groups,
+            process=dead_procs,
+            groups=dead_groups,
             step=self.t,
-            detect_s=round(lost.detected - origin, 6),
-            rebuild_s=round(lost.rebuild_s, 6),
-            compile_s=round(lost.compile_s, 6),
+            detect_s=round(detected - origin, 6),
+            rebuild_s=round(rebuilt - detected, 6),
+            compile_s=round(compile_s, 6),
         )
-        self.recovering = {"origin": origin, "detected": lost.detected, "resumed": time.time()}
-        log.warning("process(es) %s died during step %d; %s", lost.processes, self.t, lost)
+        runlog.emit("dead", processes=dead_procs, step=self.t)
+        runlog.notice(
+            f"process(es) {dead_procs} (groups {dead_groups}) declared dead during step "
+            f"{self.t}; {len(live)} live group(s) go on"
+        )
+        self.recovering = {"origin": origin, "detected": detected, "resumed": time.time()}
+        self._resync = True
 
-    def execute(self, table: Any, load: int) -> dict[str, Any]:
-        """Run step ``t`` and return its record (raises `multihost.ProcessLost`)."""
+    # ------------------------------------------------------------------- step
+
+    def _execute(self, table: Any, load: int) -> dict[str, Any]:
+        """Run step ``t`` and return its record (raises ``ProcessFailureError``)."""
         t0 = time.perf_counter()
-        stacks = self.run.step.stacks(self.run.batch(self.t))
+        stacks = self.step.stacks(self.batches(self.t))
+        if self._precompile:
+            self._precompile = False
+            self._precompile_all(stacks)
+        if self._resync:  # survivors recover at their own pace: start the retry together
+            with live_devices(self._devices):
+                pass
+            self._resync = False
         t1 = time.perf_counter()
-        if self.executor is not None:
-            self.executor.index = self.t
-            self.state, metrics = self.executor(self.state, stacks, table)
+        if self.multi:
+            with live_devices(self._devices):
+                if self.fault_hook is not None:
+                    self.fault_hook(self.t)
+                # A failed step's outputs carry its error: keep the state until it is done.
+                state, metrics = self.step.run(self.state, stacks, table)
+                jax.block_until_ready((state, metrics))
         else:
-            self.state, metrics = self.run.step.run(self.state, stacks, table)
+            if self.fault_hook is not None:
+                self.fault_hook(self.t)
+            state, metrics = self.step.run(self.state, stacks, table)
+        self.state = state
         metrics = {k: host_scalar(v) for k, v in metrics.items()}
         t2 = time.perf_counter()
         if self.t > 0:  # step 0 compiles
@@ -294,54 +400,22 @@ class _Loop:
             "step_time_s": round(t2 - t1, 6),
             "data_time_s": round(t1 - t0, 6),
             "attempt": self.attempt,
-            "overhead": load / self.run.step.microbatches,
+            "overhead": load / self.step.microbatches,
             "grad_norm": float(metrics["grad_norm"]),
-            "compiles": self.run.step.compiles,
-            "exact": self.run.step.policy != "drop",
+            "compiles": self.step.compiles,
+            "exact": self.step.policy != "drop",
         }
 
-    def checkpoint(self) -> None:
-        """Note finished saves, let Orbax's policy decide on this one, re-derive the interval."""
-        self._note_saves()
-        stall = self._save(self.t)
-        if stall is not None:
-            self.interval.stalls.append(stall)
-            self.records.event("checkpoint", step=self.t, save_s=round(stall, 6))
-        if self.t == self.warmup + 1 and self.interval.update(self.step_times):
-            self._log_interval()
-
-    def _note_saves(self) -> None:
-        done = self.ckpt.poll()
-        if done is not None:
-            self.interval.saves.append(done[1])
-            if self.interval.update(self.step_times):
-                self._log_interval()
-
-    def _log_interval(self) -> None:
-        self.policy.interval = self.interval.steps
-        f = self.interval.figures
-        log.info(
-            "checkpoint interval %d steps: the model's optimum %.3f s for step %.4f s, save "
-            "stall %.4f s, save %.4f s, restore %.4f s, group MTBF %.2f s (MTTI %.2f s)",
-            self.interval.steps,
-            f["interval_s"],
-            f["step_s"],
-            f["save_stall_s"],
-            f["save_s"],
-            f["restore_s"],
-            f["group_mtbf_s"],
-            f["mtti_s"],
-        )
-
     def loop(self) -> None:
+        """Train from step ``t`` to the end through every failure."""
         retry = False
         while self.t < self.total:
             if not retry:
                 change = self.failures.advance(self.t)
                 if change.rejoined:
-                    self.records.event("rejoin", step=self.t, groups=list(change.rejoined))
+                    self.log.event("rejoin", step=self.t, groups=list(change.rejoined))
                 if change.failed:
-                    self.records.event(
+                    self.log.event(
                         "failure",
                         step=self.t,
                         groups=list(change.failed),
@@ -349,56 +423,104 @@ class _Loop:
                     )
             retry = False
             try:
-                table, load = self.run.step.table(self.failures.alive.copy())
+                table, load = self.step.table(self.failures.alive.copy())
             except reorder.Interruption as err:
                 self.rollback(err)
                 continue
             started = time.time()
             try:
-                record = self.execute(table, load)
-            except multihost.ProcessLost as lost:
-                self.process_lost(lost, started)
+                record = self._execute(table, load)
+            except ProcessFailureError as err:
+                self._lose(err, started)
                 retry = True
                 continue
-            if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
-                self.non_finite(record)
-            self.records.write(record)
-            if self.recovering is not None:
-                now = time.time()
-                self.records.event(
-                    "recovered",
-                    step=self.t,
-                    live_groups=int(self.failures.alive.sum()),
-                    recovery_s=round(now - self.recovering["origin"], 6),
-                    since_detection_s=round(now - self.recovering["detected"], 6),
-                    first_step_s=round(now - self.recovering["resumed"], 6),
-                    rolled_back=False,
+            except jax.errors.JaxRuntimeError as err:
+                # Every process alive, yet a collective failed (a peer slower than the
+                # CPU collective timeout): all of them saw it; retry the same step.
+                if not self.multi or self._transient >= _TRANSIENT_RETRIES:
+                    raise
+                self._transient += 1
+                runlog.notice(
+                    f"step {self.t}: a collective failed with every process alive "
+                    f"({str(err).splitlines()[0][:160]}); retrying the step"
                 )
-                self.recovering = None
-            if self.on_step:
+                self._resync = True
+                retry = True
+                continue
+            self._transient = 0
+            if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+                self._non_finite(record)
+            self.log.write(record)
+            self._recovered()
+            if self.on_step is not None:
                 self.on_step(record)
             self.t += 1
-            self.checkpoint()
+            now = time.time()
+            if now - self._last_emit >= 1.0:  # progress, for a launcher's hang watch
+                self._last_emit = now
+                runlog.emit("progress", step=self.t)
+            if self._preempted() and self.t < self.total:
+                self._stop_for_preemption()
+            self._save()
 
-    def non_finite(self, record: dict[str, Any]) -> None:
+    def _preempted(self) -> bool:
+        """Whether to stop here for a preemption notice (SIGTERM), every process at the same step.
+
+        In a multi-process job JAX's preemption service (part of its
+        coordination service) hears the SIGTERM on any process and makes all
+        of them agree on the step to stop at; a lone process has `preemption`.
+        """
+        if self.multi:
+            try:
+                return multihost_utils.reached_preemption_sync_point(self.t)
+            except RuntimeError:  # JAX's preemption service is off
+                return False
+        return self.preemption is not None and self.preemption.requested
+
+    def _stop_for_preemption(self) -> None:
+        """Save the state at the step reached, then stop with `errors.Preempted`."""
+        start = time.time()
+        self._save(force=True)
+        self._wait_for_saves()
+        self.log.event("preempted", step=self.t, save_s=round(time.time() - start, 6))
+        raise errors.Preempted(
+            f"preempted at step {self.t}: its state is saved in {self.ckpt.directory}; rerun the "
+            "same command to resume from it"
+        )
+
+    def _recovered(self) -> None:
+        if self.recovering is None:
+            return
+        now = time.time()
+        self.log.event(
+            "recovered",
+            step=self.t,
+            live_groups=int(self.failures.alive.sum()),
+            recovery_s=round(now - self.recovering["origin"], 6),
+            since_detection_s=round(now - self.recovering["detected"], 6),
+            first_step_s=round(now - self.recovering["resumed"], 6),
+            rolled_back=False,
+        )
+        self.recovering = None
+
+    def _non_finite(self, record: dict[str, Any]) -> None:
         """Save the last good state (the step kept it) and stop."""
         record["loss"] = record["grad_norm"] = None
-        self.records.write(record)
-        self._save(self.t, force=True)
-        self.ckpt.wait()
-        raise NonFiniteLoss(
+        self.log.write(record)
+        self._save(force=True)
+        self._wait_for_saves()
+        raise errors.NonFiniteLoss(
             f"the loss became non-finite at step {self.t}; the state before it is saved as "
             f"checkpoint {self.t} in {self.ckpt.directory}"
         )
 
     def finish(self) -> dict[str, Any]:
         """Wait for saves, make sure the last step is saved, write the summary."""
-        self.ckpt.wait()
-        self._note_saves()
+        self._wait_for_saves()
         if self.total not in self.ckpt.steps():
-            self._save(self.total, force=True)
-            self.ckpt.wait()
-        records = self.records.records() if self.records.writer else []
+            self._save(force=True)
+            self._wait_for_saves()
+        records = self.log.records() if self.log.writer else []
         last = {r["step"]: r for r in records if "event" not in r and "step" in r}
         final_loss = last.get(self.total - 1, {}).get("loss")
         if final_loss is None and math.isfinite(self.last_loss):
@@ -407,53 +529,24 @@ class _Loop:
             "final_step": int(host_scalar(self.state.step)),
             "final_loss": final_loss,
             "param_checksum": ckpt_lib.param_checksum(self.state.params),
-            "checkpoint_interval_steps": int(self.interval.steps or self.policy.interval),
+            "checkpoint_interval_steps": int(self.interval.steps),
             "checkpoint_interval_source": self.interval.source,
             "checkpoint_interval_figures": self.interval.figures,
             "rollbacks": sum(1 for r in records if r.get("event") in ("rollback", "relaunch")),
             "attempts": 1 + max((r.get("attempt", 0) for r in records), default=0),
-            "goodput": runlog.goodput(records, self.run.step.microbatches),
+            "lost_processes": self.lost_processes,
+            "live_groups": self.live_groups,
+            "goodput": runlog.goodput(records, self.step.microbatches),
         }
-        self.records.write_summary(summary)
+        self.log.write_summary(summary)
         return summary
 
+    def params(self) -> Any:
+        """The current parameters as host NumPy arrays (this process's full replica)."""
+        return jax.tree.map(multihost.host_copy, self.state.params)
+
     def close(self) -> None:
-        self.ckpt.close()
-        self.records.close()
-
-
-def train(
-    run: Run,
-    failures: liveness.Failures,
-    workdir: str,
-    *,
-    checkpoint_steps: int = 0,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
-    executor: multihost.Executor | None = None,
-) -> dict[str, Any]:
-    """Train ``config.steps`` steps through ``failures``; resume if ``workdir`` holds the run.
-
-    Args:
-        run: the built run (`spare_jax.experiment.setup`).
-        failures: the failure process (its state is restored on resume).
-        workdir: output directory: ``metrics.jsonl``, ``summary.json``, ``checkpoints/``.
-        checkpoint_steps: 0 for the analytical model's interval, N > 0 to pin it.
-        on_step: called with each per-step record (progress display).
-        executor: runs each step under ``live_devices`` (multi-process jobs).
-
-    Returns:
-        The summary written to ``summary.json``.
-
-    Raises:
-        NonFiniteLoss: the loss became non-finite (the last good state is saved first).
-        TooManyRollbacks: more rollbacks than ``checkpoint.max_rollbacks``.
-        Relaunch: an interruption after a real process loss (multi-process only).
-        checkpoint.NoUsableCheckpoint: checkpoints exist and none restores.
-    """
-    loop = _Loop(run, failures, workdir, checkpoint_steps, on_step, executor)
-    try:
-        loop.start()
-        loop.loop()
-        return loop.finish()
-    finally:
-        loop.close()
+        try:
+            self.ckpt.close()
+        finally:
+            self.log.close()

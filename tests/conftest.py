@@ -1,5 +1,7 @@
 """Test set-up: eight simulated CPU devices, configured before JAX starts its backend.
 
+``experiments/`` goes on ``sys.path`` so that tests import the demo LM as ``lm``.
+
 Compiled programs go to a persistent compilation cache for the session, so a
 test that builds the same step as an earlier one loads it instead of
 compiling it again (removed at exit).
@@ -7,10 +9,14 @@ compiling it again (removed at exit).
 
 import atexit
 import os
+import pathlib
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The demo LM lives with the binaries that use it (experiments/lm), not in the library.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 
 import jax
 

@@ -43,6 +43,7 @@ BENCH_REORDER = "benchmarks/reorder.py"
 BENCH_SIM = "benchmarks/sim.py"
 TRAIN = "experiments/train.py"
 LAUNCH = "experiments/launch.py"
+LAUNCHER = "spare_jax/launch.py"
 VALIDATE = "experiments/validate.py"
 BINARIES = (
     PLAN,
@@ -233,6 +234,17 @@ CASES = [
         (("--kill=5:1", "--kill=6:1"), "one process killed twice"),
         (("--strategy=raid",), "a bad train.py flag"),
         (("--workdir=",), "empty work directory"),
+    ),
+    *_cases(
+        LAUNCHER,
+        ((), "no worker command"),
+        (("--processes=0", "--", "true"), "zero processes"),
+        (("--kill=abc", "--", "true"), "malformed kill"),
+        (("--kill=1:7", "--", "true"), "kill of a process that does not exist"),
+        (("--kill=1:1", "--kill=2:1", "--", "true"), "one process killed twice"),
+        ((f"--launch_dir={BLOCKER}", "--", "true"), "launch directory is a file"),
+        (("--heartbeat_s=0", "--", "true"), "zero heartbeat"),
+        (("--devices_per_process=0", "--", "true"), "zero devices"),
     ),
     *_cases(
         VALIDATE,

@@ -23,8 +23,8 @@ def _state():
     return step, params, step.init(params)
 
 
-def _ckpt(tmp_path, interval=2, extra=()):
-    policy = checkpoint.IntervalPolicy(interval=interval, extra=frozenset(extra))
+def _ckpt(tmp_path, interval=2, extra=(), total=1000):
+    policy = checkpoint.Interval(total=total, pinned=interval, extra=frozenset(extra))
     return checkpoint.Checkpointer(str(tmp_path / "ckpt"), policy, keep=3)
 
 
@@ -144,3 +144,118 @@ def test_when_no_interval_finishes_the_run_the_save_cost_optimum_is_used():
     expected = analysis.exact_optimum(50.0, figures["mtti_s"])
     assert figures["interval_s"] == pytest.approx(expected)
     assert steps == min(max(round(expected / 0.1), 1), 10_000)
+
+
+# ------------------------------------------------------------- what is kept, what is trusted
+
+
+def _write_checkpoint(root, step: int, *, intact: bool) -> None:
+    """A committed step directory: whole, or as a writer that was not the primary host left it."""
+    d = root / str(step)
+    for sub in ("state", "meta"):
+        (d / sub).mkdir(parents=True)
+        (d / sub / "commit_success.txt").write_text("ok")
+    (d / "_CHECKPOINT_METADATA").write_text("{}")
+    if intact:
+        (d / "state" / "replica.npz").write_bytes(_npz_bytes())
+        (d / "meta" / "metadata").write_text('{"param_checksum": 1.0}')
+
+
+def _npz_bytes() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, a=np.zeros(3))
+    return buf.getvalue()
+
+
+def test_missing_files_names_what_an_empty_committed_checkpoint_lacks(tmp_path):
+    _write_checkpoint(tmp_path, 5, intact=False)
+    _write_checkpoint(tmp_path, 10, intact=True)
+    assert checkpoint.missing_files(str(tmp_path / "5")) == "meta/metadata is missing"
+    assert checkpoint.missing_files(str(tmp_path / "10")) is None
+    (tmp_path / "5" / "meta" / "metadata").write_text('{"step": 5}')
+    assert checkpoint.missing_files(str(tmp_path / "5")) == "state/ holds no array data"
+    npz = tmp_path / "10" / "state" / "replica.npz"
+    npz.write_bytes(npz.read_bytes()[:40])  # truncated: the archive's index is gone
+    assert "damaged" in checkpoint.missing_files(str(tmp_path / "10"))
+
+
+def test_retention_counts_only_complete_checkpoints():
+    import tempfile
+    import types
+
+    with tempfile.TemporaryDirectory() as d:
+        root = __import__("pathlib").Path(d)
+        for step, ok in ((2, True), (4, True), (6, True), (8, False), (10, False)):
+            _write_checkpoint(root, step, intact=ok)
+        infos = [types.SimpleNamespace(step=s) for s in (2, 4, 6, 8, 10, 12)]  # 12: in flight
+        keep = checkpoint.KeepIntact(d, 2).should_preserve(infos, context=None)
+        # Empty saves (8, 10) and the save in flight (12) do not push 4 and 6 out.
+        assert keep == [False, True, True, True, True, True]
+        assert checkpoint.KeepIntact(d, 3).should_preserve(infos, context=None) == [True] * 6
+
+
+def test_replica_layout_round_trips_every_dtype_and_shape(tmp_path):
+    import ml_dtypes
+
+    state = {
+        "step": np.int32(7),
+        "w": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "h": np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16),
+    }
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state)
+    d = tmp_path / "r"
+    d.mkdir()
+    handler = checkpoint.ReplicaHandler()
+    handler.save(d, checkpoint.ReplicaSave(state))
+    out = handler.restore(d, checkpoint.ReplicaRestore(target))
+    for k, want in state.items():
+        assert out[k].dtype == np.asarray(want).dtype and out[k].shape == np.shape(want)
+        np.testing.assert_array_equal(out[k], want)
+    wrong = {**target, "w": jax.ShapeDtypeStruct((3, 2), np.float32)}
+    with pytest.raises(ValueError, match=r"array 2 is float32\(2, 3\)"):
+        handler.restore(d, checkpoint.ReplicaRestore(wrong))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (root only); the test is skipped with one line where it cannot mount one."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root): full-disk test not run")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_named_and_the_newest_intact_checkpoint_kept(small_disk):
+    from spare_jax.train_step import TrainState
+
+    def state(value):  # 2 MiB of parameters: the second save cannot fit
+        w = np.random.default_rng(int(value)).random((1024, 512), np.float32)  # incompressible
+        return TrainState(np.int32(0), {"w": w}, ())
+
+    ckpt = checkpoint.Checkpointer(
+        str(small_disk / "ckpt"), checkpoint.Interval(total=100, pinned=1), keep=3
+    )
+    ckpt.save(1, state(1.0), {"step": 1})
+    assert [s.step for s in ckpt.wait()] == [1]
+    ckpt.save(2, state(2.0), {"step": 2})
+    with pytest.raises(checkpoint.StorageError) as err:
+        ckpt.wait()
+    assert err.value.disk_full and err.value.exit_status == 5
+    message = str(err.value)
+    assert "disk holding" in message and str(small_disk) in message and "\n" not in message
+    assert "checkpoint 1 is the newest intact one" in message
+    assert checkpoint.missing_files(str(small_disk / "ckpt" / "1")) is None
+    ckpt.close()

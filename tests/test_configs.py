@@ -5,8 +5,8 @@ import pathlib
 
 import ml_collections
 import pytest
+from lm import setup as experiment
 
-from spare_jax import experiment
 from spare_jax.scenario import Scenario
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.py"))

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
+from lm import data as data_lib
 
-from spare_jax import data as data_lib
 from spare_jax import placement as placement_lib
 
 

@@ -4,8 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from spare_jax import model as model_lib
+from lm import model as model_lib
 
 CFG = model_lib.ModelConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=2, d_ff=32)
 

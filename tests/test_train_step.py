@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from lm import data as data_lib
+from lm import model as model_lib
+from lm import setup as experiment
 
-from spare_jax import data as data_lib
-from spare_jax import experiment, reorder, slots
 from spare_jax import mesh as mesh_lib
-from spare_jax import model as model_lib
+from spare_jax import reorder, slots
 from spare_jax import train_step as step_lib
 
 RTOL, ATOL = 1e-5, 1e-6

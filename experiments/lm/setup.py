@@ -1,10 +1,11 @@
 """The experiment a training config describes: checks, model, data, optimizer and SPARe step.
 
+The project's demo LM, one client of `spare_jax.fit` among others.
 `validate` refuses a bad config up front with a `ValueError` naming the field
 and the rule (NaN and infinity included); `setup` builds the `Run`: the
 Flax LM and its parameters, the token source, and the step from
 `spare_jax.make_train_step` (the same public entry point any model uses).
-`spare_jax.trainer` then trains it through failures.
+`experiments/train.py` then trains it through failures with `spare_jax.fit`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import ml_collections
 import numpy as np
 import optax
 
+from lm import data as data_lib
+from lm import model as model_lib
 from spare_jax import checks, strategies
-from spare_jax import data as data_lib
 from spare_jax import mesh as mesh_lib
-from spare_jax import model as model_lib
 from spare_jax import train_step as step_lib
 
 __all__ = ["LIMITS", "Run", "make_optimizer", "setup", "validate"]
@@ -132,15 +133,12 @@ def _source(config: ml_collections.ConfigDict) -> data_lib.TokenSource:
     )
 
 
-def setup(
-    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None, *, donate: bool = True
-) -> Run:
+def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None) -> Run:
     """Mesh, model, data and the SPARe step for a config (validated here).
 
     Args:
         config: the training config.
-        mesh: the mesh (default: ``config.mesh`` over this process's devices).
-        donate: whether the step donates its state (not across real process failures).
+        mesh: the mesh (default: ``config.mesh`` over the job's devices).
     """
     validate(config)
     mesh = mesh_lib.make_mesh(tuple(config.mesh)) if mesh is None else mesh
@@ -164,7 +162,6 @@ def setup(
         policy=config.policy,
         param_specs=model_lib.param_specs(params),
         slot_bound=int(config.slot_bound) or None,
-        donate=donate,
     )
     units = step.placement.shards * step.placement.shard_units * step.microbatches
     return Run(config, step, params, _source(config), units)

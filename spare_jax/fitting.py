@@ -1,0 +1,222 @@
+"""`fit`: all of SPARe's fault tolerance around any model's train step.
+
+    spare_jax.initialize()                    # first: joins a launched job, else nothing
+    step = spare_jax.make_train_step(loss_fn, optax.adamw(1e-3), mesh, redundancy=2)
+    result = spare_jax.fit(step, params, batches, steps=1000, workdir="runs/mine")
+    result.params, result.summary
+
+``batches(t)`` returns the failure-free global batch of step ``t`` and must be
+a pure function of ``t``: a rollback or a resume asks for the same steps
+again. `fit` checkpoints with Orbax at the interval the analytical model finds
+optimal (or every ``checkpoint_steps``), masks failed groups exactly, rolls
+back when a shard has no live holder, resumes from ``workdir`` when rerun,
+and, in a multi-process job, lets the survivors of a dead process finish the
+step without it. See `spare_jax.trainer.Trainer` for the way a failure takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from absl import logging as absl_logging
+
+from spare_jax import checks, liveness, testing
+from spare_jax import train_step as step_lib
+from spare_jax.trainer import Trainer
+
+__all__ = ["FitResult", "fit"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What `fit` returns.
+
+    Attributes:
+        params: the final parameters, a pytree of host NumPy arrays (on every
+            surviving process of a multi-process job).
+        summary: the dict written to ``WORKDIR/summary.json``.
+    """
+
+    params: Any
+    summary: dict[str, Any]
+    writer: bool = True  # whether this process wrote the run's books (one process does)
+
+
+def _failures(
+    failures: Any, groups: int, steps: int, rate: float, repair_steps: int, seed: int
+) -> liveness.Failures:
+    if isinstance(failures, liveness.Failures):
+        if failures.groups != groups:
+            raise ValueError(f"failures has {failures.groups} groups, the step has {groups}")
+        return failures
+    if failures is None or isinstance(failures, str):
+        schedule = liveness.parse_schedule(failures or "", groups, steps)
+    elif isinstance(failures, dict):
+        schedule = liveness.parse_schedule(
+            ",".join(f"{t}:{g}" for t, gs in failures.items() for g in gs), groups, steps
+        )
+    else:
+        raise ValueError(
+            "failures must be None, 'STEP:GROUP,...', {step: [groups]} or a liveness.Failures, "
+            f"got {type(failures).__name__}"
+        )
+    return liveness.Failures(
+        groups, schedule=schedule, rate=rate, repair_steps=repair_steps, seed=seed
+    )
+
+
+class _Notice:
+    requested = False
+
+
+@contextlib.contextmanager
+def _preemption_notice():
+    """A lone process hears SIGTERM as a preemption notice while `fit` runs.
+
+    (In a multi-process job JAX's own preemption service hears it.) Only from
+    the main thread, and only when nobody else handles SIGTERM.
+    """
+    notice = _Notice()
+    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+        yield notice
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        yield notice
+        return
+
+    def heard(signum, frame):
+        del signum, frame
+        notice.requested = True
+
+    signal.signal(signal.SIGTERM, heard)
+    try:
+        yield notice
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _workdir(path: str) -> str:
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise ValueError(f"workdir must be a directory path, got {path!r}")
+    path = os.fspath(path)
+    if os.path.islink(path):
+        raise ValueError(f"workdir {path} is a symbolic link; refusing to write through it")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"workdir {path} exists and is not a directory")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _quiet_orbax() -> None:
+    """Keep Orbax's per-save INFO lines out of the run's log (its warnings stay)."""
+    handler = absl_logging.get_absl_handler()
+    if not any(isinstance(f, _NoOrbaxInfo) for f in handler.filters):
+        handler.addFilter(_NoOrbaxInfo())
+
+
+class _NoOrbaxInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+
+
+def fit(
+    step: step_lib.SpareStep,
+    params: Any,
+    batches: Callable[[int], Any],
+    *,
+    steps: int,
+    workdir: str,
+    failures: Any = None,
+    checkpoint_steps: int | None = None,
+    failure_rate: float = 0.0,
+    repair_steps: int = 0,
+    seed: int = 0,
+    gpu_mtbf_hours: float = 5.1e4,
+    max_rollbacks: int = 100,
+    keep: int = 3,
+    warmup_steps: int = 3,
+    precompile_failures: bool = False,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> FitResult:
+    """Train ``steps`` steps of ``step`` from ``params`` through every failure; resume if rerun.
+
+    Args:
+        step: from `spare_jax.make_train_step`, over the whole job's mesh.
+        params: the initial parameters (any pytree of NumPy or JAX arrays).
+        batches: ``batches(t)`` -> the failure-free global batch of step ``t``
+            (``G * m * b`` rows), a pure function of ``t``.
+        steps: training steps.
+        workdir: ``metrics.jsonl`` (appended), ``summary.json``, ``checkpoints/``.
+        failures: simulated group failures for tests and demos: ``"STEP:GROUP,..."``,
+            ``{step: [groups]}`` or a `spare_jax.liveness.Failures`; each fires once.
+        checkpoint_steps: None for the interval the analytical model finds
+            optimal from the measured step time, save stall, save and restore
+            times and the failure rate; N to save every N steps.
+        failure_rate: per-step failure probability of each live group (simulated).
+        repair_steps: a simulated failed group re-joins after this many steps
+            (0: at the next rollback).
+        seed: seed of the random failures.
+        gpu_mtbf_hours: per-device MTBF the interval model assumes when no
+            failures are configured (default: Llama 3's 51,000 h, see docs/design.md).
+        max_rollbacks: raise `errors.TooManyRollbacks` past this many.
+        keep: complete checkpoints kept on disk.
+        warmup_steps: steps timed before the first (calibration) save.
+        precompile_failures: multi-process: compile at start-up the step each
+            single process failure would leave (a recovery then compiles nothing).
+        on_step: called with each step's record (the ``metrics.jsonl`` fields).
+
+    Returns:
+        `FitResult`: the final parameters (host NumPy) and the summary.
+
+    Raises:
+        ValueError: bad arguments (named), before any work.
+        spare_jax.errors.FitError: the run cannot go on; its ``exit_status``
+            says why (errors.py lists them). Under `spare_jax.initialize` an
+            uncaught one exits the process with that status and one line.
+    """
+    _quiet_orbax()
+    if not isinstance(step, step_lib.SpareStep):
+        raise ValueError(f"step must come from spare_jax.make_train_step, got {type(step)!r}")
+    if not callable(batches):
+        raise ValueError("batches must be a function of the step index: batches(t) -> batch")
+    steps = checks.integer("steps", steps, low=1)
+    pinned = (
+        0
+        if checkpoint_steps is None
+        else checks.integer("checkpoint_steps", checkpoint_steps, low=1)
+    )
+    schedule = _failures(failures, step.groups, steps, failure_rate, repair_steps, seed)
+    trainer = Trainer(
+        step,
+        params,
+        batches,
+        _workdir(workdir),
+        steps=steps,
+        failures=schedule,
+        checkpoint_steps=pinned,
+        keep=checks.integer("keep", keep, low=1),
+        warmup_steps=checks.integer("warmup_steps", warmup_steps, low=1),
+        max_rollbacks=checks.integer("max_rollbacks", max_rollbacks, low=0),
+        gpu_mtbf_hours=checks.number("gpu_mtbf_hours", gpu_mtbf_hours, low=0.0, low_open=True),
+        precompile_failures=bool(precompile_failures),
+        on_step=on_step,
+        fault_hook=testing.fault_hook_from_env(),
+    )
+    with _preemption_notice() as notice:
+        trainer.preemption = notice
+        try:
+            trainer.start()
+            trainer.loop()
+            summary = trainer.finish()
+            return FitResult(trainer.params(), summary, trainer.log.writer)
+        finally:
+            trainer.close()

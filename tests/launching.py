@@ -1,0 +1,219 @@
+"""Helpers for tests that run real multi-process jobs: start, find, damage, clean up.
+
+Faults come from outside the processes under test, the way a cluster sends
+them: signals to worker pids found through ``/proc``, and damage on disk.
+Every wait is bounded, and `Job.close` SIGKILLs whatever is left, so a failing
+test leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+from spare_jax.runlog import read_records
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def env(cache: pathlib.Path) -> dict[str, str]:
+    """The workers' environment: CPU only, one compilation cache shared by the test module."""
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+def regression_command(workdir: pathlib.Path, *args: str) -> list[str]:
+    return [PYTHON, str(ROOT / "experiments" / "regression.py"), f"--workdir={workdir}", *args]
+
+
+def launcher(workdir: pathlib.Path, worker: list[str], *flags: str) -> list[str]:
+    """``python -m spare_jax.launch`` with 4 workers of 2 devices each, logs under workdir."""
+    return [
+        PYTHON,
+        "-m",
+        "spare_jax.launch",
+        "--processes=4",
+        "--devices_per_process=2",
+        "--heartbeat_s=5",  # a busy 2-core CI machine must not take a slow worker for dead
+        f"--launch_dir={workdir / 'launch'}",
+        *flags,
+        "--",
+        *worker,
+    ]
+
+
+@functools.cache
+def reference_params(steps: int) -> dict[str, np.ndarray]:
+    """experiments/regression.py's model trained failure-free on one device with jax.grad."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import regression
+
+    dev = jax.devices()[0]
+    params = jax.device_put(regression.init_params(), dev)
+    tx = regression.OPTIMIZER
+    opt = tx.init(params)
+    grad = jax.jit(jax.grad(regression.loss_fn))
+    for t in range(steps):
+        updates, opt = tx.update(
+            grad(params, jax.device_put(regression.batches(t), dev)), opt, params
+        )
+        params = optax.apply_updates(params, updates)
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+def assert_params(workdir: pathlib.Path, reference: dict, processes) -> None:
+    """Every leaf of each listed process's final parameters equals the reference."""
+    for p in processes:
+        with np.load(workdir / f"params-{p}.npz") as got:
+            assert sorted(got.files) == sorted(reference), (p, got.files)
+            for name, want in reference.items():
+                np.testing.assert_allclose(
+                    got[name], want, rtol=1e-5, atol=1e-6, err_msg=f"process {p}, {name}"
+                )
+
+
+def records(workdir: pathlib.Path) -> list[dict]:
+    return read_records(str(workdir / "metrics.jsonl"))
+
+
+def events(workdir: pathlib.Path, name: str) -> list[dict]:
+    return [r for r in records(workdir) if r.get("event") == name]
+
+
+def steps_of_last_attempt_are_contiguous(workdir: pathlib.Path, total: int) -> None:
+    """The last record of each step covers 0..total-1 once each, in the file's order."""
+    last = {}
+    for r in records(workdir):
+        if "event" not in r and "step" in r:
+            last[r["step"]] = r
+    assert sorted(last) == list(range(total))
+
+
+GLOO_MISMATCH = "Received data size doesn't match expected size"
+
+
+def gloo_aborted(workdir: pathlib.Path) -> list[int]:
+    """Workers that died of Gloo's collective mismatch (CPU only; see docs/multihost.md)."""
+    out = []
+    for log in sorted((workdir / "launch").glob("worker-*.log")):
+        if GLOO_MISMATCH in log.read_text(errors="replace"):
+            out.append(int(log.stem.split("-")[1]))
+    return out
+
+
+def summary(workdir: pathlib.Path) -> dict:
+    return json.loads((workdir / "summary.json").read_text())
+
+
+def pids_of(workdir: pathlib.Path) -> dict[int, int]:
+    """``{process id: pid}`` of the live workers whose command line names ``workdir``."""
+    out = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if f"--workdir={workdir}" not in cmdline or state == "Z":
+            continue
+        ids = [v.split("=", 1)[1] for v in environ if v.startswith("SPARE_JAX_PROCESS_ID=")]
+        ids = ids or [v.split("=", 1)[1] for v in environ if v.startswith("SLURM_PROCID=")]
+        if ids and "regression.py" in cmdline:
+            out[int(ids[0])] = int(entry.name)
+    return out
+
+
+def any_process_of(workdir: pathlib.Path) -> list[int]:
+    """Pids of every process (launcher included) whose command line names ``workdir``."""
+    pids = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                state = (entry / "stat").read_text().split(")")[-1].split()[0]
+            except OSError:
+                continue
+            if str(workdir) in cmdline and state != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+class Job:
+    """A launcher started in the background; `close` leaves nothing running."""
+
+    def __init__(self, command: list[str], workdir: pathlib.Path, environment: dict):
+        self.workdir = workdir
+        self.out = open(workdir.parent / f"{workdir.name}.launcher.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=environment, stdout=self.out, stderr=subprocess.STDOUT
+        )
+
+    def wait_for(self, ready, timeout: float = 240.0, what: str = "the condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.proc.poll() is None, f"the job ended before {what}: {self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+            time.sleep(0.01)
+
+    def step_reached(self, step: int):
+        return lambda: any(r.get("step", -1) >= step for r in records(self.workdir) if "loss" in r)
+
+    def signal(self, process: int, sig: int) -> int:
+        """Send ``sig`` to worker ``process``; its pid."""
+        pid = pids_of(self.workdir)[process]
+        os.kill(pid, sig)
+        return pid
+
+    def finish(self, timeout: float = 300.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.close()
+
+    def output(self) -> str:
+        if not self.out.closed:
+            self.out.flush()
+        return pathlib.Path(self.out.name).read_text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any_process_of(self.workdir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in any_process_of(self.workdir):  # nothing outlives the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not self.out.closed:
+            self.out.close()
+
+
+def no_process_left(workdir: pathlib.Path) -> None:
+    deadline = time.monotonic() + 30
+    while any_process_of(workdir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = any_process_of(workdir)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"

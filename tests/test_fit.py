@@ -1,0 +1,169 @@
+"""`spare_jax.fit` on a model that is not ours, against a single-device `jax.grad` reference.
+
+The model is ``experiments/regression.py``'s (plain dict parameters, AdamW);
+the reference trains it on one device with `jax.grad` + optax over the same
+batches. Through masked failures, an interruption rolled back, a rerun that
+resumes and a process SIGKILLed from outside, every leaf of the final
+parameters must equal the reference (fp32 round-off: rtol 1e-5, atol 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import launching as lj
+import numpy as np
+import pytest
+import regression
+
+import spare_jax
+from spare_jax import errors
+
+STEPS = 12
+
+
+def _step():
+    mesh = spare_jax.make_mesh((1, 4, 2))
+    return spare_jax.make_train_step(
+        regression.loss_fn, regression.OPTIMIZER, mesh, redundancy=2, microbatches=2
+    )
+
+
+def _same(params, reference) -> None:
+    assert sorted(params) == sorted(reference)
+    for name, want in reference.items():
+        assert isinstance(params[name], np.ndarray)
+        np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_masked_failures_and_a_rollback_end_on_the_reference(tmp_path):
+    seen = []
+    result = spare_jax.fit(
+        _step(),
+        regression.init_params(),
+        regression.batches,
+        steps=STEPS,
+        workdir=str(tmp_path),
+        failures="3:1,6:2,6:3",  # 2 and 3 together: shard 3 has no live holder
+        checkpoint_steps=4,
+        on_step=seen.append,
+    )
+    _same(result.params, lj.reference_params(STEPS))
+    assert result.summary == json.loads((tmp_path / "summary.json").read_text())
+    assert result.summary["rollbacks"] == 1 and result.summary["final_step"] == STEPS
+    (rollback,) = lj.events(tmp_path, "rollback")
+    assert (rollback["from_step"], rollback["to_step"], rollback["uncovered"]) == (6, 4, [3])
+    assert [r["step"] for r in seen] == [*range(6), *range(4, STEPS)]
+    assert [r["live_groups"] for r in seen[:6]] == [4, 4, 4, 3, 3, 3]
+    assert [e["step"] for e in lj.events(tmp_path, "checkpoint")] == [4, 8, 12]
+
+
+def test_a_rerun_resumes_and_a_longer_one_continues(tmp_path):
+    step, params = _step(), regression.init_params()
+    spare_jax.fit(step, params, regression.batches, steps=8, workdir=str(tmp_path))
+    again = spare_jax.fit(step, params, regression.batches, steps=8, workdir=str(tmp_path))
+    assert lj.events(tmp_path, "resume")[-1]["step"] == 8
+    _same(again.params, lj.reference_params(8))
+    longer = spare_jax.fit(step, params, regression.batches, steps=STEPS, workdir=str(tmp_path))
+    _same(longer.params, lj.reference_params(STEPS))
+    steps = [r["step"] for r in lj.records(tmp_path) if "loss" in r]
+    assert steps == list(range(STEPS)), "each step once: the rerun started where the last ended"
+
+
+def test_jax_array_params_and_batches_are_taken_as_they_are(tmp_path):
+    import jax
+
+    params = jax.device_put(regression.init_params())
+    result = spare_jax.fit(
+        _step(),
+        params,
+        lambda t: jax.device_put(regression.batches(t)),
+        steps=4,
+        workdir=str(tmp_path),
+        failures={2: [0]},
+    )
+    _same(result.params, lj.reference_params(4))
+
+
+def test_a_non_finite_loss_stops_with_its_status_and_keeps_the_last_good_state(tmp_path):
+    def poisoned(t):
+        batch = regression.batches(t)
+        if t == 3:
+            batch["y"][0] = np.nan
+        return batch
+
+    with pytest.raises(errors.NonFiniteLoss, match="step 3") as err:
+        spare_jax.fit(
+            _step(), regression.init_params(), poisoned, steps=STEPS, workdir=str(tmp_path)
+        )
+    assert err.value.exit_status == 4
+    assert (tmp_path / "checkpoints" / "3").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"steps": 0}, "steps"),
+        ({"batches": 3}, "batches must be a function"),
+        ({"step": "step"}, "make_train_step"),
+        ({"failures": 3.5}, "failures must be"),
+        ({"failures": "3-1"}, "bad failure"),
+        ({"failures": "3:9"}, "group must lie"),
+        ({"checkpoint_steps": 0}, "checkpoint_steps"),
+        ({"keep": 0}, "keep"),
+        ({"gpu_mtbf_hours": -1.0}, "gpu_mtbf_hours"),
+    ],
+)
+def test_bad_arguments_are_named_before_any_work(tmp_path, change, match):
+    args = {
+        "step": _step(),
+        "params": regression.init_params(),
+        "batches": regression.batches,
+        "steps": 4,
+        "workdir": str(tmp_path / "run"),
+        **change,
+    }
+    with pytest.raises(ValueError, match=match):
+        spare_jax.fit(args.pop("step"), args.pop("params"), args.pop("batches"), **args)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match="not a directory"):
+        spare_jax.fit(
+            _step(),
+            regression.init_params(),
+            regression.batches,
+            steps=2,
+            workdir=str(tmp_path / "file"),
+        )
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_process_sigkilled_from_outside_resumes_when_rerun(tmp_path, tmp_path_factory):
+    env = lj.env(tmp_path_factory.mktemp("cache"))
+    command = lj.regression_command(tmp_path, "--steps=40", "--checkpoint_steps=5")
+    proc = subprocess.Popen(
+        command, cwd=lj.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not lj.events(tmp_path, "checkpoint") or len(lj.records(tmp_path)) < 14:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    done = subprocess.run(
+        command, cwd=lj.ROOT, env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (resume,) = lj.events(tmp_path, "resume")
+    assert resume["step"] % 5 == 0 and resume["step"] > 0
+    with np.load(tmp_path / "params-0.npz") as got:
+        _same(dict(got), lj.reference_params(40))
+    lj.steps_of_last_attempt_are_contiguous(tmp_path, 40)

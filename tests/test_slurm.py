@@ -1,0 +1,99 @@
+"""The launcher under a real SLURM: one ``srun`` step of 4 tasks inside ``salloc -n 4``.
+
+CI starts a one-node cluster with ``.ci/slurm.sh`` before the slow tests;
+elsewhere these tests are skipped with one line. The worker is the user
+script ``experiments/regression.py`` through `spare_jax.fit`; tasks are
+SIGKILLed from outside by pid (found through ``/proc``), as a node failure
+would take them. Checked: the exit status, ``metrics.jsonl``, every leaf of
+every surviving task's parameters against a single-device `jax.grad` run, an
+empty queue and no process left afterwards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+
+import launching as lj
+import pytest
+
+STEPS = 30
+
+
+def _cluster() -> str:
+    """Why there is no usable SLURM here, or '' when there is one."""
+    if shutil.which("salloc") is None or shutil.which("sinfo") is None:
+        return "no SLURM client here (CI starts a one-node cluster with .ci/slurm.sh)"
+    try:
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out: no SLURM controller answers"
+    if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout:
+        return f"no idle SLURM node ({(out.stderr or out.stdout).strip()[:120]})"
+    return ""
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_cluster()), reason=_cluster() or "-")]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return lj.env(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return lj.reference_params(STEPS)
+
+
+def _start(env, workdir) -> lj.Job:
+    worker = lj.regression_command(workdir, f"--steps={STEPS}", "--checkpoint_steps=5")
+    launcher = lj.launcher(workdir, worker, "--scheduler=slurm")
+    return lj.Job(["timeout", "-k", "10", "600", "salloc", "-n", "4", *launcher], workdir, env)
+
+
+def _queue_empty() -> bool:
+    out = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=20, check=False)
+    return out.stdout.strip() == ""
+
+
+def _kill(env, tmp_path, victims):
+    job = _start(env, tmp_path)
+    try:
+        job.wait_for(job.step_reached(3), what="step 3")
+        for victim in victims:
+            job.signal(victim, signal.SIGKILL)
+        code = job.finish()
+    finally:
+        job.close()
+    return job, code
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["task 2", "task 0"])
+def test_a_task_killed_from_outside_is_masked(env, tmp_path, reference, victim):
+    job, code = _kill(env, tmp_path, [victim])
+    assert code == 0, job.output()[-3000:]
+    aborted = lj.gloo_aborted(tmp_path)
+    dead = sorted(p for e in lj.events(tmp_path, "process_failure") for p in e["process"])
+    if aborted:  # a neighbour died with it (Gloo, on CPU): a relaunch, still exact
+        assert lj.events(tmp_path, "relaunch")
+        lj.assert_params(tmp_path, reference, range(4))
+    else:
+        assert dead == [victim] and not lj.events(tmp_path, "relaunch")
+        lj.assert_params(tmp_path, reference, [p for p in range(4) if p != victim])
+    assert _queue_empty()
+    lj.no_process_left(tmp_path)
+
+
+def test_two_neighbour_tasks_killed_start_a_new_step_that_rolls_back(env, tmp_path, reference):
+    job, code = _kill(env, tmp_path, [2, 3])
+    assert code == 0, job.output()[-3000:]
+    (relaunch,) = lj.events(tmp_path, "relaunch")
+    assert relaunch["rolled_back"] and relaunch["to_step"] % 5 == 0
+    lj.assert_params(tmp_path, reference, range(4))  # the new step runs all four again
+    lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
+    assert _queue_empty()
+    lj.no_process_left(tmp_path)
