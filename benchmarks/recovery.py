@@ -18,11 +18,23 @@ run, medians over ``--repeats``:
 * **relaunch and restore**, what a job without SPARe does (kill two
   neighbours, so no live holder is left): from the survivors' exit to the new
   job's restored state, plus the work lost since the last checkpoint (steps
-  times the median step time).
+  times the median step time);
+* **a hang**: worker 2 SIGSTOPped from outside (never resumed) instead of
+  killed: detection is measured from the stop, the rest as for a kill;
+* **a kill during recovery**: worker 1 killed by the injector, worker 3
+  SIGKILLed from outside as soon as the survivors report the first loss;
+  from that second kill to the first completed step (or to the relaunched
+  job's restored state when the survivors could not rebuild without it);
+* **preemption**: SIGTERM to the launcher in the middle of a run: from the
+  notice to the end of the job (every worker saved the step reached and
+  left), and the save itself.
 
 The figures come from the events the jobs write to ``metrics.jsonl``
-(``process_failure``, ``recovered``, ``relaunch``). Work directories are
-temporary unless ``--out`` names a directory to keep them and a JSON summary.
+(``process_failure``, ``recovered``, ``relaunch``, ``preempted``). Every job
+goes through the library's path: ``experiments/launch.py`` runs
+``python -m spare_jax.launch`` around ``experiments/train.py``, a client of
+`spare_jax.fit`. Work directories are temporary unless ``--out`` names a
+directory to keep them and a JSON summary.
 """
 
 from __future__ import annotations
@@ -30,10 +42,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from absl import flags
 
@@ -73,8 +87,8 @@ CASES = (
 )
 
 
-def _run(workdir: str, args: list[str], kills: list[str], kill_step: int) -> list[dict]:
-    cmd = [
+def _command(workdir: str, args: list[str], kills: list[str], kill_step: int) -> list[str]:
+    return [
         sys.executable,
         str(ROOT / "experiments" / "launch.py"),
         "--processes=4",
@@ -86,10 +100,91 @@ def _run(workdir: str, args: list[str], kills: list[str], kill_step: int) -> lis
         *args,
         *(f"--kill={k.replace('KILL', str(kill_step))}" for k in kills),
     ]
+
+
+def _run(workdir: str, args: list[str], kills: list[str], kill_step: int) -> list[dict]:
+    cmd = _command(workdir, args, kills, kill_step)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"job failed ({out.returncode}): {out.stderr.strip()[-500:]}")
     return read_records(os.path.join(workdir, "metrics.jsonl"))
+
+
+def _worker_pid(workdir: str, process: int) -> int:
+    """The pid of worker ``process`` of the job in ``workdir`` (found through /proc)."""
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        mine = f"--workdir={workdir}" in cmdline and "train.py" in cmdline
+        if mine and f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
+            return int(entry.name)
+    raise RuntimeError(f"no worker {process} of {workdir} found")
+
+
+def _outside(workdir: str, args: list[str], kills: list[str], act) -> tuple[list[dict], dict]:
+    """Run a job in the background; ``act(proc, workdir)`` sends a fault from outside."""
+    cmd = _command(workdir, args, kills, _STEPS.value // 2)
+    os.makedirs(workdir, exist_ok=True)
+    err_path = os.path.join(workdir, "launcher.err")
+    with open(err_path, "w", encoding="utf-8") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            extra = act(proc, workdir, err_path)
+            proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return read_records(os.path.join(workdir, "metrics.jsonl")), {**extra, "code": proc.returncode}
+
+
+def _wait_for(proc, ready, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the job ended (or stalled) before the fault could be sent")
+        time.sleep(0.005)
+
+
+def _reached(workdir: str, step: int):
+    path = os.path.join(workdir, "metrics.jsonl")
+    return lambda: any(r.get("step", -1) >= step for r in read_records(path) if "loss" in r)
+
+
+def _note_kill(workdir: str, process: int) -> None:
+    """Leave the fault's time where the survivors look for it (detection is measured from it)."""
+    with open(os.path.join(workdir, "launch", f"killed-{process}"), "w", encoding="utf-8") as f:
+        f.write(f"{time.time()}\n")
+
+
+def _hang(proc, workdir: str, err_path: str) -> dict:
+    _wait_for(proc, _reached(workdir, _STEPS.value // 2))
+    pid = _worker_pid(workdir, 2)
+    _note_kill(workdir, 2)
+    os.kill(pid, signal.SIGSTOP)
+    return {}
+
+
+def _second_kill(proc, workdir: str, err_path: str) -> dict:
+    _wait_for(proc, lambda: "declared dead" in pathlib.Path(err_path).read_text())
+    pid = _worker_pid(workdir, 3)
+    _note_kill(workdir, 3)
+    at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return {"second_kill_at": at}
+
+
+def _preempt(proc, workdir: str, err_path: str) -> dict:
+    _wait_for(proc, _reached(workdir, _STEPS.value // 2))
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+    return {"notice_to_exit_s": time.monotonic() - start}
 
 
 def _figures(records: list[dict], expect_relaunch: bool) -> dict[str, float]:
@@ -122,6 +217,43 @@ def _figures(records: list[dict], expect_relaunch: bool) -> dict[str, float]:
         "first_step_s": first,
         "total_s": recovered["recovery_s"],
     }
+
+
+HANG = "SPARe r=2, a worker SIGSTOPped (hang)"
+SECOND = "SPARe r=2, a second kill during recovery"
+PREEMPT = "preemption: SIGTERM to the launcher"
+
+
+def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
+    """The faults sent from outside: a hang, a kill during recovery, a preemption notice."""
+    spare = ["--strategy=spare", "--redundancy=2"]
+    out: dict[str, list[dict[str, float]]] = {}
+    for rep in range(_REPEATS.value):
+        records, _ = _outside(os.path.join(base, f"hang-run{rep}"), spare, [], _hang)
+        out.setdefault(HANG, []).append(_figures(records, expect_relaunch=False))
+        records, extra = _outside(
+            os.path.join(base, f"second-run{rep}"), spare, ["KILL:1"], _second_kill
+        )
+        # Masked: the last `recovered` event, timed from the second kill (its time is
+        # on file). Not: the relaunch, from the survivors' exit to the restored state.
+        relaunch = [r for r in records if r.get("event") == "relaunch"]
+        recovered = [r for r in records if r.get("event") == "recovered"]
+        total = relaunch[-1]["relaunch_s"] if relaunch else recovered[-1]["recovery_s"]
+        out.setdefault(SECOND, []).append(
+            {"relaunched": float(bool(relaunch)), "total_s": float(total)}
+        )
+        records, extra = _outside(
+            os.path.join(base, f"preempt-run{rep}"), [*spare, "--steps=400"], [], _preempt
+        )
+        saved = [r for r in records if r.get("event") == "preempted"]
+        out.setdefault(PREEMPT, []).append(
+            {
+                "notice_to_exit_s": extra["notice_to_exit_s"],
+                "save_s": saved[-1]["save_s"] if saved else float("nan"),
+                "exit_143": float(extra["code"] == 143),
+            }
+        )
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -164,6 +296,21 @@ def main(argv: list[str]) -> None:
         note = f"  ({alarms} false alarm(s) left out)" if alarms else ""
         cells = "".join(f"{med[c]:>13.3f}" if c in med else f"{'':>13}" for c in columns)
         print(f"{name:<40}{cells}{note}")
+    outside = _outside_cases(base)
+    for name, rows in outside.items():
+        print(
+            f"{name}: " + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r.items()) for r in rows)
+        )
+    for name, rows in outside.items():
+        figures = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
+        medians[name] = figures
+        print(f"{name:<40}" + "".join(f"  {k} {v:.3f}" for k, v in figures.items()))
+    hang, kill = medians.get(HANG, {}), medians[CASES[0][0]]
+    if "detect_s" in hang and "detect_s" in kill:
+        print(
+            f"detection, hang vs kill: {hang['detect_s']:.2f} s vs {kill['detect_s']:.2f} s "
+            f"(heartbeat {_HEARTBEAT.value} s)"
+        )
     relaunch = medians[CASES[-1][0]].get("total_s", float("nan"))
     for name, _, _ in CASES[:2]:
         spare = medians[name].get("total_s", float("nan"))

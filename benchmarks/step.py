@@ -40,6 +40,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -352,6 +353,45 @@ def entry_point(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[
     return rows
 
 
+def fit_loop(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[str, Any]]:
+    """Section 5: `spare_jax.fit`'s loop vs a hand loop of ``step(state, batch, alive)``."""
+    print(
+        "\n5. spare_jax.fit's loop (checkpoints, records, failure handling) vs a hand loop of "
+        "step(state, batch, alive), per step, same step and batch"
+    )
+    print(f"{'step':>18} {'hand s':>8} {'fit s':>8} {'ratio':>6}")
+    rows = []
+    n = max(_STEPS.value, 5)
+    for shape in shapes:
+        bench = benches.get(shape, "spare", 2, m)
+        alive = bench.alive()
+
+        def hand(bench: Bench = bench, alive: np.ndarray = alive) -> list[float]:
+            return [bench.call(bench.batch, alive) for _ in range(n)]
+
+        hand_before = hand()
+        seen: list[dict[str, Any]] = []
+        with tempfile.TemporaryDirectory() as workdir:
+            spare_jax.fit(
+                bench.step,
+                benches.lm.params,
+                lambda t, batch=bench.batch: batch,
+                steps=n + 1,
+                workdir=workdir,
+                checkpoint_steps=n + 1,  # one save, after the last timed step
+                on_step=seen.append,
+            )
+        hand_after = hand()
+        fit_s = float(np.median([r["step_time_s"] + r["data_time_s"] for r in seen[1:]]))
+        hand_s = float(np.median(hand_before + hand_after))
+        rows.append(
+            {"step": bench.label, "hand_s": hand_s, "fit_s": fit_s, "ratio": fit_s / hand_s}
+        )
+        print(f"{bench.label:>18} {hand_s:8.4f} {fit_s:8.4f} {fit_s / hand_s:6.3f}")
+    print("(fit's per-step time is its own record: batch layout + step + reading the metrics)")
+    return rows
+
+
 def main(argv: list[str]) -> None:
     del argv
     cli.output_file("out", _OUT.value)
@@ -406,6 +446,7 @@ def main(argv: list[str]) -> None:
         results["fit"].append(out["fit"])
     results["memory"] = memory(benches, meshes, m_free)
     results["entry_point"] = entry_point(benches, meshes, m_free)
+    results["fit_loop"] = fit_loop(benches, meshes, m_free)
     if _OUT.value:
         with cli.replace_file(_OUT.value) as f:
             json.dump(results, f, indent=1)

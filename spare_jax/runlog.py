@@ -28,6 +28,7 @@ resume, recovered and relaunch events give the stalls and the recovery time.
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import math
@@ -40,6 +41,7 @@ from spare_jax import errors
 
 __all__ = ["EVENT", "NOTICE", "RunLog", "emit", "goodput", "notice", "read_records"]
 
+_HELD = 64  # step records a non-writer keeps, to fill in after a dead writer
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -81,6 +83,7 @@ class RunLog:
         self.summary_path = os.path.join(workdir, "summary.json")
         self.previous = read_records(self.metrics_path)
         self._fd: int | None = None
+        self._held: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HELD)
         if writer:
             self.become_writer()
 
@@ -90,9 +93,15 @@ class RunLog:
         return self._fd is not None
 
     def become_writer(self) -> None:
-        """Open the metrics file for appending (once; a no-op for the writer)."""
+        """Open the metrics file for appending (once; a no-op for the writer).
+
+        A process taking over from a dead writer first appends the step records
+        it holds that the dead one never wrote (it may have died between a
+        step and its record), so that no step goes missing.
+        """
         if self._fd is not None:
             return
+        missing = self._unwritten()
         try:
             self._fd = os.open(self.metrics_path, _FLAGS, 0o644)
         except OSError as err:
@@ -102,6 +111,20 @@ class RunLog:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     os.write(self._fd, b"\n")
+        for record in missing:
+            self.write(record)
+        self._held.clear()
+
+    def _unwritten(self) -> list[dict[str, Any]]:
+        """Held step records of this run that are not on file, in order."""
+        if not self._held:
+            return []
+        on_file = {
+            (r["step"], r.get("attempt"))
+            for r in read_records(self.metrics_path)
+            if "event" not in r and "step" in r
+        }
+        return [r for r in self._held if (r["step"], r.get("attempt")) not in on_file]
 
     @property
     def next_attempt(self) -> int:
@@ -116,6 +139,8 @@ class RunLog:
             errors.StorageError: the line could not be written (a full disk named as such).
         """
         if self._fd is None:
+            if "event" not in record and "step" in record:
+                self._held.append(record)  # in case this process has to take over
             return
         try:
             os.write(self._fd, (json.dumps(record, allow_nan=False) + "\n").encode())

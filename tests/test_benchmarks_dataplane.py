@@ -48,12 +48,21 @@ def test_step_benchmark_tiny(tmp_path):
     out = tmp_path / "step.json"
     result = _run("step.py", "--tiny", "--steps=2", "--warmup=1", f"--out={out}")
     assert result.returncode == 0, result.stderr[-3000:]
-    for heading in ("1. failure-free", "2. step time", "3. memory", "4. public entry point"):
+    for heading in (
+        "1. failure-free",
+        "2. step time",
+        "3. memory",
+        "4. public entry point",
+        "5. spare_jax.fit's loop",
+    ):
         assert heading in result.stdout, result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step.json"]
     res = json.loads(out.read_text())
     assert res["config"]["tiny"] and res["config"]["steps"] == 2
 
+    (fit_row,) = res["fit_loop"]
+    assert _positive(fit_row["hand_s"]) and _positive(fit_row["fit_s"])
+    assert fit_row["ratio"] == pytest.approx(fit_row["fit_s"] / fit_row["hand_s"])
     (row,) = res["spare_vs_dp"]
     assert row["mesh"] == [8, 1, 1]
     assert _positive(row["dp_s"]) and _positive(row["spare_s"]) and _positive(row["ratio"])

@@ -58,16 +58,13 @@ def test_a_worker_killed_from_outside_is_masked_and_the_run_completes(
     finally:
         job.close()
     assert code == 0, job.output()[-3000:]
-    (failure,) = lj.events(tmp_path, "process_failure")
-    assert failure["process"] == [2] and failure["groups"] == [2]
-    assert not lj.events(tmp_path, "relaunch") and not lj.events(tmp_path, "resume")
-    summary = lj.summary(tmp_path)
-    assert summary["lost_processes"] == [2] and summary["attempts"] == 1
-    assert summary["live_groups"] == [0, 1, 3]
-    lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
-    lj.assert_params(tmp_path, reference, [0, 1, 3])
-    assert "declared dead" in job.output()  # relayed by the launcher, once
-    assert job.output().count("declared dead") == 1
+    if lj.assert_masked(tmp_path, reference, [2], STEPS):
+        (failure,) = lj.events(tmp_path, "process_failure")
+        assert failure["groups"] == [2] and 0 < failure["detect_s"] < 60
+        summary = lj.summary(tmp_path)
+        assert summary["lost_processes"] == [2] and summary["attempts"] == 1
+        assert summary["live_groups"] == [0, 1, 3]
+        assert job.output().count("declared dead") == 1  # relayed by the launcher, once
     lj.no_process_left(tmp_path)
 
 
@@ -134,10 +131,9 @@ def test_a_stopped_worker_is_declared_dead_killed_and_the_run_completes(env, tmp
     assert not pathlib.Path(f"/proc/{stopped}").exists(), (
         "the launcher kills a worker declared dead"
     )
-    (failure,) = lj.events(tmp_path, "process_failure")
-    assert failure["process"] == [1] and failure["detect_s"] < 30
-    assert not lj.events(tmp_path, "relaunch")
-    lj.assert_params(tmp_path, reference, [0, 2, 3])
+    if lj.assert_masked(tmp_path, reference, [1], STEPS):
+        (failure,) = lj.events(tmp_path, "process_failure")
+        assert failure["detect_s"] < 30
     lj.no_process_left(tmp_path)
 
 
@@ -156,10 +152,8 @@ def test_two_kills_close_together(env, tmp_path, reference, victims, masked):
     finally:
         job.close()
     assert code == 0, job.output()[-3000:]
-    dead = sorted(p for e in lj.events(tmp_path, "process_failure") for p in e["process"])
     if masked:
-        assert dead == list(victims) and not lj.events(tmp_path, "relaunch")
-        lj.assert_params(tmp_path, reference, [p for p in range(4) if p not in victims])
+        lj.assert_masked(tmp_path, reference, victims, STEPS)
     else:
         (relaunch,) = lj.events(tmp_path, "relaunch")
         assert relaunch["rolled_back"] and relaunch["to_step"] % 5 == 0
@@ -271,33 +265,34 @@ def test_a_second_kill_during_the_survivors_recovery_is_masked(env, tmp_path, re
     finally:
         job.close()
     assert code == 0, job.output()[-3000:]
-    dead = sorted(p for e in lj.events(tmp_path, "process_failure") for p in e["process"])
-    if lj.events(tmp_path, "relaunch"):
-        # Process 3 died before the survivors' collectives were rebuilt: they wait on it
-        # until the launcher sees no progress after a loss, and a fresh job rolls back.
-        assert "made no progress since" in job.output() and 1 in dead
+    if "made no progress since" in job.output():
+        # Process 3 died before the survivors had rebuilt their collectives: they wait on
+        # it until the launcher sees no progress after a loss; a fresh job rolls back.
+        assert lj.events(tmp_path, "relaunch")
         lj.assert_params(tmp_path, reference, range(4))
+        lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
     else:
-        assert dead == [1, 3]
-        lj.assert_params(tmp_path, reference, [0, 2])
-    lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
+        lj.assert_masked(tmp_path, reference, [1, 3], STEPS)
     lj.no_process_left(tmp_path)
 
 
 def test_a_short_stall_is_ridden_out(env, tmp_path, reference):
-    """Stopped for 2 s, under the 5 s heartbeat: nobody is declared dead, all four finish."""
+    """Stopped for 1 s, under the 2 s collective timeout: nobody notices, all four finish.
+
+    (A stall past the collective timeout but under the 5 s heartbeat fails the step's
+    collectives with every process alive: the job relaunches and rolls back, exact.)
+    """
     job = _start(env, tmp_path)
     try:
         job.wait_for(job.step_reached(3), what="step 3")
         job.signal(1, signal.SIGSTOP)
-        time.sleep(2.0)
+        time.sleep(1.0)
         job.signal(1, signal.SIGCONT)
         code = job.finish()
     finally:
         job.close()
     assert code == 0, job.output()[-3000:]
-    assert not lj.events(tmp_path, "process_failure") and not lj.events(tmp_path, "relaunch")
-    lj.assert_params(tmp_path, reference, range(4))
+    lj.assert_masked(tmp_path, reference, [], STEPS)  # nobody lost
     lj.no_process_left(tmp_path)
 
 

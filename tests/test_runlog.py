@@ -70,3 +70,19 @@ def test_goodput_splits_the_time_budget():
     assert g["lost_s"] == pytest.approx(1.0)
     assert g["recovery_s"] == pytest.approx(0.5 + 4.0 + 6.0 + 0.75)
     assert g["total_s"] == pytest.approx(sum(v for k, v in g.items() if k != "total_s"))
+
+
+def test_a_new_writer_fills_in_the_steps_a_dead_writer_never_recorded(tmp_path):
+    writer, other = runlog.RunLog(str(tmp_path)), runlog.RunLog(str(tmp_path), writer=False)
+    for t in range(5):
+        record = {"step": t, "loss": 1.0, "attempt": 0}
+        if t < 3:  # the writer dies after step 4, its records of steps 3 and 4 unwritten
+            writer.write(record)
+        other.write({**record, "loss": 2.0})
+    other.event("failure", step=4, groups=[1])  # events are the writer's: not held
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')  # and its last line torn by the kill
+    other.become_writer()
+    other.write({"step": 5, "loss": 2.0, "attempt": 0})
+    steps = [(r["step"], r["loss"]) for r in runlog.read_records(str(tmp_path / "metrics.jsonl"))]
+    assert steps == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0)]

@@ -76,14 +76,7 @@ def _kill(env, tmp_path, victims):
 def test_a_task_killed_from_outside_is_masked(env, tmp_path, reference, victim):
     job, code = _kill(env, tmp_path, [victim])
     assert code == 0, job.output()[-3000:]
-    aborted = lj.gloo_aborted(tmp_path)
-    dead = sorted(p for e in lj.events(tmp_path, "process_failure") for p in e["process"])
-    if aborted:  # a neighbour died with it (Gloo, on CPU): a relaunch, still exact
-        assert lj.events(tmp_path, "relaunch")
-        lj.assert_params(tmp_path, reference, range(4))
-    else:
-        assert dead == [victim] and not lj.events(tmp_path, "relaunch")
-        lj.assert_params(tmp_path, reference, [p for p in range(4) if p != victim])
+    lj.assert_masked(tmp_path, reference, [victim], STEPS)
     assert _queue_empty()
     lj.no_process_left(tmp_path)
 
@@ -95,5 +88,42 @@ def test_two_neighbour_tasks_killed_start_a_new_step_that_rolls_back(env, tmp_pa
     assert relaunch["rolled_back"] and relaunch["to_step"] % 5 == 0
     lj.assert_params(tmp_path, reference, range(4))  # the new step runs all four again
     lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
+    assert _queue_empty()
+    lj.no_process_left(tmp_path)
+
+
+def test_the_sbatch_script_runs_the_job_and_survives_a_killed_task(env, tmp_path, reference):
+    """experiments/slurm.sbatch as a user submits it (one node here), a task killed from outside."""
+    worker = lj.regression_command(tmp_path, f"--steps={STEPS}", "--checkpoint_steps=5")
+    submit = [
+        "timeout",
+        "-k",
+        "10",
+        "600",
+        "sbatch",
+        "--wait",
+        "--nodes=1",
+        "--ntasks-per-node=4",
+        f"--output={tmp_path / 'slurm.out'}",
+        str(lj.ROOT / "experiments" / "slurm.sbatch"),
+        *worker,
+    ]
+    batch_env = {
+        **env,
+        "SPARE_JAX_PYTHON": lj.PYTHON,
+        "SPARE_JAX_DEVICES_PER_PROCESS": "2",
+        "SPARE_JAX_HEARTBEAT_S": "5",
+        "SPARE_JAX_COLLECTIVE_TIMEOUT_S": "2",
+        "SPARE_JAX_LAUNCH_DIR": str(tmp_path / "launch"),
+    }
+    job = lj.Job(submit, tmp_path, batch_env)
+    try:
+        job.wait_for(job.step_reached(3), what="step 3")
+        job.signal(1, signal.SIGKILL)
+        code = job.finish()
+    finally:
+        job.close()
+    assert code == 0, (tmp_path / "slurm.out").read_text()[-3000:]
+    lj.assert_masked(tmp_path, reference, [1], STEPS)
     assert _queue_empty()
     lj.no_process_left(tmp_path)
