@@ -174,6 +174,10 @@ class Trainer:
             self._note(saved)
         if not (force or self.ckpt.due(self.t)):  # most steps: nothing to build or copy
             return
+        # Orbax waits for the previous save before starting this one anyway: put it on
+        # record first, so that a kill during this save cannot lose its event.
+        for saved in self.ckpt.wait():
+            self._note(saved)
         state = multihost.local_view(self.state) if self.multi else self.state
         meta = {
             "step": self.t,
