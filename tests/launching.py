@@ -8,6 +8,7 @@ test leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -25,6 +26,25 @@ from spare_jax.runlog import read_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: pathlib.Path, size: str):
+    """A tmpfs of ``size`` at ``path`` (root only); the test is skipped with one line otherwise."""
+    import pytest
+
+    path.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root): full-disk test not run")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def env(cache: pathlib.Path) -> dict[str, str]:

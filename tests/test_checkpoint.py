@@ -3,6 +3,7 @@
 import math
 
 import jax
+import launching as lj
 import numpy as np
 import optax
 import pytest
@@ -220,22 +221,9 @@ def test_replica_layout_round_trips_every_dtype_and_shape(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 3 MiB tmpfs (root only); the test is skipped with one line where it cannot mount one."""
-    import subprocess
-
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
-        capture_output=True,
-        check=False,
-    )
-    if made.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root): full-disk test not run")
-    try:
+    """A 3 MiB tmpfs (root only); skipped with one line where it cannot be mounted."""
+    with lj.small_tmpfs(tmp_path / "disk", "3m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_is_named_and_the_newest_intact_checkpoint_kept(small_disk):

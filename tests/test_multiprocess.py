@@ -205,19 +205,8 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restores(
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 MiB tmpfs (root only); skipped with one line where it cannot be mounted."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
-        capture_output=True,
-        check=False,
-    )
-    if made.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root): full-disk test not run")
-    try:
+    with lj.small_tmpfs(tmp_path / "disk", "64m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_stops_the_job_with_one_line_and_a_rerun_resumes(env, small_disk):
