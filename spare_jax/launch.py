@@ -54,7 +54,9 @@ __all__ = ["Options", "launch", "parse_kills"]
 EXIT_GAVE_UP = errors.EXIT_ROLLBACKS
 SCHEDULERS = ("local", "slurm")
 # Statuses that are not a worker's verdict on the run: done, try again, a
-# crash (1 or a signal), a worker the job had already declared dead.
+# crash (1 or a signal), a worker the job had already declared dead. Any other
+# positive status is a verdict, also from a worker declared dead as it left (a
+# writer that found the disk full exits 5 and its peers miss it at once).
 _NOT_A_VERDICT = {
     0,
     1,
@@ -351,10 +353,7 @@ class Job:
                     return "preempted"
                 time.sleep(0.05)
                 continue
-            if any(
-                c is not None and c not in _NOT_A_VERDICT and c > 0 and not w.lost
-                for w, c in zip(self.workers, codes, strict=True)
-            ):
+            if any(c is not None and c not in _NOT_A_VERDICT and c > 0 for c in codes):
                 self.kill()
                 return "verdict"
             running = [w for w in self.workers if w.code is None]
@@ -408,7 +407,7 @@ class Job:
         """The first worker verdict: its status and its last line."""
         for w in self.workers:
             c = w.code
-            if c is not None and c not in _NOT_A_VERDICT and c > 0 and not w.lost:
+            if c is not None and c not in _NOT_A_VERDICT and c > 0:
                 return c, w.last_line
         return 1, ""
 

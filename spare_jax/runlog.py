@@ -104,13 +104,13 @@ class RunLog:
         missing = self._unwritten()
         try:
             self._fd = os.open(self.metrics_path, _FLAGS, 0o644)
+            with open(self.metrics_path, "rb") as f:  # a line cut short by a kill ends here
+                if f.seek(0, os.SEEK_END) > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        os.write(self._fd, b"\n")
         except OSError as err:
-            raise ValueError(f"cannot append to {self.metrics_path}: {err.strerror}") from None
-        with open(self.metrics_path, "rb") as f:  # a line cut short by a kill ends here
-            if f.seek(0, os.SEEK_END) > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    os.write(self._fd, b"\n")
+            raise _storage_error(self.metrics_path, err) from None
         for record in missing:
             self.write(record)
         self._held.clear()

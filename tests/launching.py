@@ -200,9 +200,16 @@ def any_process_of(workdir: pathlib.Path) -> list[int]:
 class Job:
     """A launcher started in the background; `close` leaves nothing running."""
 
-    def __init__(self, command: list[str], workdir: pathlib.Path, environment: dict):
+    def __init__(
+        self,
+        command: list[str],
+        workdir: pathlib.Path,
+        environment: dict,
+        log: pathlib.Path | None = None,
+    ):
         self.workdir = workdir
-        self.out = open(workdir.parent / f"{workdir.name}.launcher.log", "w")  # noqa: SIM115
+        log = log or workdir.parent / f"{workdir.name}.launcher.log"
+        self.out = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             command, cwd=ROOT, env=environment, stdout=self.out, stderr=subprocess.STDOUT
         )
@@ -226,8 +233,18 @@ class Job:
     def finish(self, timeout: float = 300.0) -> int:
         try:
             return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the job did not end within {timeout} s:\n{self.output()[-3000:]}"
+                f"\n{self.worker_logs()}"
+            ) from None
         finally:
             self.close()
+
+    def worker_logs(self, tail: int = 1500) -> str:
+        """The end of every worker's log, for a failure message."""
+        logs = sorted((self.workdir / "launch").glob("worker-*.log"))
+        return "\n".join(f"--- {p.name}:\n{p.read_text(errors='replace')[-tail:]}" for p in logs)
 
     def output(self) -> str:
         if not self.out.closed:

@@ -41,9 +41,11 @@ def reference():
     return lj.reference_params(STEPS)
 
 
-def _start(env, workdir: pathlib.Path, *args: str, steps: int = STEPS) -> lj.Job:
+def _start(
+    env, workdir: pathlib.Path, *args: str, steps: int = STEPS, log: pathlib.Path | None = None
+) -> lj.Job:
     worker = lj.regression_command(workdir, f"--steps={steps}", "--checkpoint_steps=5", *args)
-    return lj.Job(lj.launcher(workdir, worker), workdir, env)
+    return lj.Job(lj.launcher(workdir, worker), workdir, env, log=log)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT], ids=["SIGKILL", "SIGABRT"])
@@ -209,10 +211,11 @@ def small_disk(tmp_path):
         yield mount
 
 
-def test_a_full_disk_stops_the_job_with_one_line_and_a_rerun_resumes(env, small_disk):
+def test_a_full_disk_stops_the_job_with_one_line_and_a_rerun_resumes(env, small_disk, tmp_path):
     workdir = small_disk / "run"
     workdir.mkdir()
-    job = _start(env, workdir, steps=400)
+    # The launcher's own output goes where the test can read it all.
+    job = _start(env, workdir, steps=400, log=tmp_path / "launcher.log")
     try:
         job.wait_for(lambda: len(lj.events(workdir, "checkpoint")) >= 2, what="two checkpoints")
         filler = small_disk / "filler"
@@ -236,7 +239,7 @@ def test_a_full_disk_stops_the_job_with_one_line_and_a_rerun_resumes(env, small_
     ]
     assert intact, "the newest intact checkpoint is kept"
     filler.unlink()  # space again: the same command resumes and finishes
-    again = _start(env, workdir, steps=400)
+    again = _start(env, workdir, steps=400, log=tmp_path / "again.log")
     assert again.finish() == 0, again.output()[-3000:]
     assert lj.events(workdir, "resume")[-1]["step"] >= max(intact)
     lj.assert_params(workdir, lj.reference_params(400), range(4))
