@@ -44,6 +44,7 @@ def _positive(x: float) -> bool:
     return math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # starts processes: run after the README's command
 def test_step_benchmark_tiny(tmp_path):
     out = tmp_path / "step.json"
     result = _run("step.py", "--tiny", "--steps=2", "--warmup=1", f"--out={out}")
@@ -97,6 +98,7 @@ def test_step_benchmark_tiny(tmp_path):
     assert entry["compiles"] == 1  # new live sets and both entry points share one program
 
 
+@pytest.mark.slow  # starts processes: run after the README's command
 def test_checkpoint_benchmark_tiny(tmp_path):
     out_dir, scratch = tmp_path / "out", tmp_path / "tmp"
     out_dir.mkdir()

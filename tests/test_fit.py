@@ -144,6 +144,7 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+@pytest.mark.slow  # starts processes: run after the README's command
 def test_a_process_sigkilled_from_outside_resumes_when_rerun(tmp_path, tmp_path_factory):
     env = lj.env(tmp_path_factory.mktemp("cache"))
     command = lj.regression_command(tmp_path, "--steps=40", "--checkpoint_steps=5")

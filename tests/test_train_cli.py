@@ -135,6 +135,7 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 120) -> None:
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow  # starts processes: run after the README's command
 def test_resume_after_sigkill_during_a_save_and_at_a_random_point(env, tmp_path, reference):
     args = (f"--workdir={tmp_path}", "--checkpoint_steps=3", "--failures=4:0")
     metrics = tmp_path / "metrics.jsonl"
@@ -169,6 +170,7 @@ def test_resume_after_sigkill_during_a_save_and_at_a_random_point(env, tmp_path,
     assert len(_events(tmp_path, "failure")) == 1, "a scheduled failure fires once"
 
 
+@pytest.mark.slow  # starts processes: run after the README's command
 def test_corrupt_and_foreign_checkpoints_are_skipped(env, tmp_path, reference):
     args = (f"--workdir={tmp_path}", "--checkpoint_steps=4")
     assert _train(env, *args).returncode == 0
