@@ -47,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (Meta, 2024): 16,384 GPUs x 1,296 h / 419 unexpected interruptions.
     config.checkpoint = ml_collections.ConfigDict()
     config.checkpoint.steps = 0
-    config.checkpoint.keep = 3  # Orbax keeps the latest 3
+    config.checkpoint.keep = 3  # the newest 3 complete checkpoints are kept (KeepIntact)
     config.checkpoint.warmup_steps = 3  # steps timed before the first (calibration) save
     config.checkpoint.gpu_mtbf_hours = 5.1e4
     config.checkpoint.max_rollbacks = 100  # give up (exit 3) past this many rollbacks

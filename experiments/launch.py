@@ -14,8 +14,9 @@ training script) runs the same way under ``python -m spare_jax.launch``.
 
 Writes under ``--workdir``: train.py's ``metrics.jsonl``, ``summary.json`` and
 ``checkpoints/``, and ``launch/`` with every worker's log. Exit status: that
-of `spare_jax.launch` (0 complete, 2 bad flags, 3 too many relaunches, else a
-worker's verdict, e.g. 4 non-finite loss, 5 a checkpoint could not be written).
+of `spare_jax.launch` (0 complete, 2 bad flags, 3 too many relaunches, 143
+preempted, else a worker's verdict, e.g. 4 non-finite loss, 5 a checkpoint
+could not be written).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ directory, or checkpoints that all fail to restore; 3 gave up after
 state before that step is saved first); 5 a checkpoint could not be written
 (a full disk: the newest intact checkpoint is kept); 75 an interruption after
 a process loss (the launcher relaunches the job, which rolls back); 130
-interrupted (Ctrl-C).
+interrupted (Ctrl-C); 143 preempted (SIGTERM: the state at the step reached
+is saved first, and a rerun resumes from it).
 """
 
 from __future__ import annotations

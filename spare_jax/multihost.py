@@ -11,7 +11,7 @@ with JAX's own machinery (``jax.distributed`` and its coordination service):
   timeout bounds detection. On CPU a collective with a dead peer is not
   cancelled, so `collective_timeout_flag` must reach ``XLA_FLAGS`` before the
   backend starts (GPU collectives are cancelled by the runtime). The service
-  can live outside the workers (`serve`, used by ``experiments/launch.py``),
+  can live outside the workers (`serve`, used by ``python -m spare_jax.launch``),
   so that any worker, process 0 included, may die.
 * **Layout** (`global_mesh`, `groups_of_processes`). Groups map whole onto
   processes: a process's devices hold one or more complete groups, so a dead

@@ -5,15 +5,19 @@ appended to: a rerun, a resume or a rollback adds records, never removes one.
 Per-step records carry ``step``, ``loss``, ``live_groups``, ``max_load``,
 ``step_time_s`` and ``attempt`` (0, then +1 at each resume or rollback: a
 reader keeps the last record of each step). Event records carry an ``event``
-key: ``checkpoint`` (``step``, ``save_s``), ``failure`` (``step``,
-``groups``), ``rejoin`` (``step``, ``groups``), ``rollback`` (``from_step``,
-``to_step``, ``lost_steps``, ``restore_s``), ``resume`` (``step``), and, with
-real processes, ``process_failure``, ``recovered`` and ``relaunch``.
+key: ``checkpoint`` (``step``, ``save_s`` the stall, ``write_s`` until all
+its files were written), ``failure`` (``step``, ``groups``), ``rejoin``
+(``step``, ``groups``), ``rollback`` (``from_step``, ``to_step``,
+``lost_steps``, ``restore_s``), ``resume`` (``step``), ``preempted``
+(``step``, ``save_s``), and, with real processes, ``process_failure``
+(``process``, ``groups``, ``detect_s``, ``rebuild_s``, ``compile_s``),
+``recovered`` (``recovery_s`` from the loss to the first step without it)
+and ``relaunch`` (``to_step``, ``lost_steps``, ``relaunch_s``).
 
 Two kinds of line leave a worker for its launcher: `notice` (stderr, for
 the person running the job: a fall-back past a damaged checkpoint, a process
-declared dead) and `emit` (stdout, one JSON object the launcher acts on: a
-process declared dead, progress, a resume).
+declared dead) and `emit` (stdout, one JSON object the launcher acts on:
+``hello``, ``dead``, ``progress``, ``resumed``, ``kill_point``).
 
 Files are opened without following symbolic links, so a record is never
 written outside the work directory, and ``summary.json`` is replaced
