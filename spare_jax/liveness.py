@@ -118,12 +118,19 @@ class Failures:
                 self.rejoin_at[g] = step + self.repair_steps
         return Change(tuple(sorted(failed)), tuple(sorted(scheduled)), tuple(back))
 
-    def fail(self, groups: list[int], step: int) -> None:
-        """Mark groups failed before ``step`` (a real process failure, found by the data plane)."""
+    def fail(self, groups: list[int], step: int, *, repair: bool = True) -> None:
+        """Mark groups failed before ``step``.
+
+        ``repair=False`` for the groups of a process that really died: their
+        devices are gone, so no re-join is scheduled (and one pending from a
+        simulated failure is called off).
+        """
         for g in groups:
             self.alive[checks.integer("group", g, low=0, high=self.groups - 1)] = False
-            if self.repair_steps:
+            if self.repair_steps and repair:
                 self.rejoin_at[g] = step + self.repair_steps
+            else:
+                self.rejoin_at.pop(g, None)
 
     def replace_all(self) -> None:
         """A rollback replaces every failed group: all live, no re-join pending."""

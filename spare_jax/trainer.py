@@ -342,7 +342,7 @@ class Trainer:
         compile_s = 0.0 if step.slot_bound in step._aot else step.precompile(self.state, stacks)
         self.step, self._ready = step, {}
         self.lost_processes = sorted({*self.lost_processes, *dead_procs})
-        self.failures.fail(dead_groups, self.t)
+        self.failures.fail(dead_groups, self.t, repair=False)  # no devices to re-join with
         killed = [multihost.kill_time(p) for p in dead_procs]
         origin = max([started, *[k for k in killed if k is not None]])
         if self._is_writer():

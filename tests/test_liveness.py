@@ -27,8 +27,18 @@ def test_hot_rejoin_after_repair_steps():
     for t in (2, 3):
         assert f.advance(t) == liveness.Change() and not f.alive[3]
     assert f.advance(4).rejoined == (3,) and f.alive[3]
-    f.fail([0], step=6)  # a real process failure found by the data plane
+    f.fail([0], step=6)  # a failure the data plane found, on a process still alive
     assert not f.alive[0] and f.rejoin_at == {0: 9}
+
+
+def test_groups_of_a_dead_process_are_not_repaired():
+    f = liveness.Failures(4, schedule={2: [1]}, repair_steps=3)
+    f.advance(2)  # group 1 fails in simulation: back at step 5
+    f.fail([1, 3], 4, repair=False)  # then its process (and group 3's) really dies
+    f.fail([2], 4)  # a simulated failure found by the data plane is repaired
+    changes = [f.advance(t) for t in range(3, 12)]
+    assert [c.rejoined for c in changes if c.rejoined] == [(2,)]
+    assert f.alive.tolist() == [True, False, True, False]
 
 
 def test_random_failures_continue_exactly_from_a_saved_state():
