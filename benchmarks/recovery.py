@@ -219,7 +219,44 @@ def _figures(records: list[dict], expect_relaunch: bool) -> dict[str, float]:
     }
 
 
+def _rejoin_kill(proc, workdir: str, err_path: str) -> dict:
+    _wait_for(proc, _reached(workdir, _STEPS.value // 2))
+    pid = _worker_pid(workdir, 2)
+    _note_kill(workdir, 2)
+    os.kill(pid, signal.SIGKILL)
+    path = os.path.join(workdir, "metrics.jsonl")
+    _wait_for(proc, lambda: any(r.get("event") == "rejoin" for r in read_records(path)))
+    proc.send_signal(signal.SIGTERM)  # done: the rest of the run would measure nothing
+    return {}
+
+
+def _rejoin_figures(records: list[dict]) -> dict[str, float]:
+    """A replaced worker's way back: from its start to its first step, and the survivors' pause.
+
+    The pause is the longest step the survivors took around the re-join (they
+    wait at the step boundary from the replacement's connect until it
+    reaches its first membership check) beyond their median step.
+    """
+    rejoins = [r for r in records if r.get("event") == "rejoin" and "join_s" in r]
+    if not rejoins:
+        return {"false_alarm": 1.0}
+    event = rejoins[0]
+    steps = {
+        r["step"]: r["step_time_s"] + r.get("data_time_s", 0.0) for r in records if "loss" in r
+    }
+    median_step = statistics.median(steps.values())
+    around = [steps[t] for t in range(event["step"] - 2, event["step"] + 1) if t in steps]
+    return {
+        "join_s": event["join_s"],
+        "transfer_s": event["transfer_s"],
+        "compile_s": event["compile_s"],
+        "survivors_pause_s": max(around) - median_step + event["transfer_s"],
+        "bytes": float(event["bytes"]),
+    }
+
+
 HANG = "SPARe r=2, a worker SIGSTOPped (hang)"
+REJOIN = "SPARe r=2, a killed worker replaced (re-join)"
 SECOND = "SPARe r=2, a second kill during recovery"
 PREEMPT = "preemption: SIGTERM to the launcher"
 
@@ -242,6 +279,13 @@ def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
         out.setdefault(SECOND, []).append(
             {"relaunched": float(bool(relaunch)), "total_s": float(total)}
         )
+        records, _ = _outside(
+            os.path.join(base, f"rejoin-run{rep}"),
+            [*spare, "--steps=400", "--replace_after_s=0"],
+            [],
+            _rejoin_kill,
+        )
+        out.setdefault(REJOIN, []).append(_rejoin_figures(records))
         records, extra = _outside(
             os.path.join(base, f"preempt-run{rep}"), [*spare, "--steps=400"], [], _preempt
         )
@@ -312,6 +356,14 @@ def main(argv: list[str]) -> None:
             f"(heartbeat {_HEARTBEAT.value} s)"
         )
     relaunch = medians[CASES[-1][0]].get("total_s", float("nan"))
+    back = medians.get(REJOIN, {})
+    if "join_s" in back:
+        print(
+            f"a dead worker back in the job: re-join {back['join_s']:.2f} s from the "
+            f"replacement's start to its first step (survivors paused "
+            f"{back['survivors_pause_s']:.2f} s, state {back['bytes']:.0f} bytes in "
+            f"{back['transfer_s']:.2f} s) vs relaunch and restore {relaunch:.2f} s"
+        )
     for name, _, _ in CASES[:2]:
         spare = medians[name].get("total_s", float("nan"))
         print(

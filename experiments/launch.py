@@ -46,7 +46,21 @@ _HANG_S = flags.DEFINE_float(
     "A job in which no worker makes progress for this long counts as hung: killed, relaunched.",
     lower_bound=1.0,
 )
-OWN_FLAGS = ("processes", "devices_per_process", "kill", "max_relaunches", "hang_timeout_s")
+_REPLACE_S = flags.DEFINE_float(
+    "replace_after_s",
+    None,
+    "Start a replacement for a worker this long after the job declared it dead: it joins the "
+    "running job with a live peer's state (hot re-join). Unset: back at the next relaunch.",
+    lower_bound=0.0,
+)
+OWN_FLAGS = (
+    "processes",
+    "devices_per_process",
+    "kill",
+    "max_relaunches",
+    "hang_timeout_s",
+    "replace_after_s",
+)
 # The launcher's timeouts for a job on one machine (a dead worker is seen in seconds).
 LOCAL = {"heartbeat_s": 3, "collective_timeout_s": 2}
 
@@ -108,6 +122,7 @@ def main(argv: list[str]) -> None:
         heartbeat_s=timeouts["heartbeat_s"],
         collective_timeout_s=timeouts["collective_timeout_s"],
         log_dir=os.path.join(workdir, "launch"),
+        replace_after_s=_REPLACE_S.value,
     )
     command = [sys.executable, train.__file__, *_passthrough(sys.argv)]
     code = launch.launch(command, options)

@@ -82,6 +82,7 @@ class Options:
     preempt_s: float = 60.0  # after SIGTERM, how long the workers have to save and leave
     scheduler: str = "local"  # "local": K processes here; "slurm": one srun step of K tasks
     srun_args: tuple[str, ...] = ()  # more srun options (e.g. --gpus-per-task=1)
+    replace_after_s: float | None = None  # start a replacement this long after a loss (re-join)
 
 
 def parse_kills(specs: Sequence[str], processes: int) -> dict[int, int]:
@@ -129,6 +130,9 @@ class Worker:
     injected: bool = False  # killed by the fault injector
     declared_dead: bool = False  # the job went on without it
     last_line: str = ""
+    replaces_step: int = -1  # a replacement: "dead" events up to this step were its forerunner's
+    dead_step: int = -1  # the step during which the job declared it dead
+    gone_at: float | None = None  # when the launcher saw it gone after it was declared dead
 
     @property
     def code(self) -> int | None:
@@ -189,6 +193,8 @@ class Job:
         }
         logs = [os.path.join(options.log_dir, f"worker-{i}.log") for i in range(self.k)]
         self.workers = [Worker(i, logs[i]) for i in range(self.k)]
+        self.command, self.job_env = list(command), job_env
+        self.replacements = 0
         if options.scheduler == "slurm":
             self.srun = subprocess.Popen(
                 [*_srun(self.k, options), *command],
@@ -202,16 +208,53 @@ class Job:
             self._start(self._watch_srun)
             return
         for worker in self.workers:
-            worker.proc = subprocess.Popen(
-                list(command),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                errors="replace",
-                env={**job_env, multihost.ENV["process_id"]: str(worker.index)},
+            self._spawn(worker, {})
+
+    def _spawn(self, worker: Worker, extra: dict[str, str]) -> None:
+        env = {**self.job_env, multihost.ENV["process_id"]: str(worker.index), **extra}
+        env[multihost.ENV["started_at"]] = repr(time.time())
+        worker.proc = subprocess.Popen(
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env=env,
+        )
+        self._start(self._watch, worker)
+
+    def _replace_due(self, now: float) -> None:
+        """Start a replacement for each worker gone ``replace_after_s`` since the job lost it.
+
+        Only while the run goes on (nobody finished); the replacement joins the
+        running job (`spare_jax.rejoin`) with the same process id.
+        """
+        if any(w.code == 0 for w in self.workers):
+            return
+        for i, w in enumerate(self.workers):
+            if not (w.declared_dead and w.code is not None):
+                continue
+            if w.gone_at is None:
+                w.gone_at = now
+            if now - w.gone_at < self.options.replace_after_s:
+                continue
+            new = Worker(i, w.log_path, replaces_step=w.dead_step)
+            kills = self.job_env.get(multihost.ENV["kills"], "")
+            mine = [k for k in kills.split(",") if k and not k.startswith(f"{i}=")]
+            self.workers[i] = new
+            self.replacements += 1
+            _say(
+                f"starting a replacement for worker {i} (declared dead during step "
+                f"{w.dead_step}): it joins the running job"
             )
-            self._start(self._watch, worker)
+            self._spawn(
+                new,
+                {
+                    multihost.ENV["replacement"]: str(self.replacements),
+                    multihost.ENV["kills"]: ",".join(mine),
+                },
+            )
 
     def _start(self, target, *args) -> None:
         watcher = threading.Thread(target=target, args=args, daemon=True)
@@ -313,10 +356,13 @@ class Job:
         elif kind == "hello":
             worker.pid, worker.host = event.get("pid"), event.get("host", "")
         elif kind == "dead":
+            step = int(event.get("step", -1))
             for p in event.get("processes", []):
-                if 0 <= p < self.k and not self.workers[p].declared_dead:
-                    self.workers[p].declared_dead = True
-                    self.workers[p].send(signal.SIGKILL)  # hung or stopped: it goes now
+                w = self.workers[p] if 0 <= p < self.k else None
+                if w is None or w.declared_dead or step <= w.replaces_step:
+                    continue  # a survivor's report of a loss already acted on
+                w.declared_dead, w.dead_step = True, step
+                w.send(signal.SIGKILL)  # hung or stopped: it goes now
         elif kind == "resumed":
             self.resumed = True
 
@@ -338,6 +384,8 @@ class Job:
         while True:
             if stop is not None and stop.is_set():
                 self.preempt()
+            if self.options.replace_after_s is not None and self.preempted_at is None:
+                self._replace_due(time.time())
             codes = [w.code for w in self.workers]
             if self.preempted_at is None and errors.EXIT_PREEMPTED in codes:
                 self.preempted_at = time.time()  # the scheduler told the workers directly
@@ -361,8 +409,12 @@ class Job:
             if not running:
                 return "complete" if done else "relaunch"
             now = time.time()
+            # Workers gone on their own: finished, or dead and not yet declared so (then
+            # the count restarts once the job declares it dead and goes on).
             left = [w for w in self.workers if w.code is not None and not w.lost]
-            if left and first_exit is None:
+            if not left:
+                first_exit = None
+            elif first_exit is None:
                 first_exit = now
             if first_exit is not None and now - first_exit > self.options.grace_s:
                 for w in running:
@@ -464,6 +516,11 @@ def check_scheduler(options: Options) -> None:
     """ValueError naming what is missing for ``options.scheduler``."""
     if options.scheduler not in SCHEDULERS:
         raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}")
+    if options.scheduler == "slurm" and options.replace_after_s is not None:
+        raise ValueError(
+            "--replace_after_s needs --scheduler=local: a running srun step cannot gain a task "
+            "(on SLURM a dead task comes back at the next relaunch)"
+        )
     if options.scheduler == "slurm":
         if shutil.which("srun") is None:
             raise ValueError("--scheduler=slurm needs srun on PATH (SLURM's client)")
@@ -593,6 +650,14 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
         "After a preemption notice (SIGTERM), how long the workers have to save and leave.",
         lower_bound=1.0,
     )
+    _REPLACE_S = flags.DEFINE_float(
+        "replace_after_s",
+        None,
+        "Start a replacement for a worker this long after the job declared it dead; it joins "
+        "the running job with a live peer's state (hot re-join). Unset: it comes back at the "
+        "next relaunch.",
+        lower_bound=0.0,
+    )
     _SERVE = flags.DEFINE_integer(
         "serve_port",
         None,
@@ -615,6 +680,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
         "_SCHEDULER": _SCHEDULER,
         "_SRUN_ARG": _SRUN_ARG,
         "_PREEMPT_S": _PREEMPT_S,
+        "_REPLACE_S": _REPLACE_S,
     }
 
 
@@ -656,6 +722,7 @@ def main(argv: list[str], f: dict[str, flags.FlagHolder]) -> None:
         preempt_s=f["_PREEMPT_S"].value,
         scheduler=f["_SCHEDULER"].value,
         srun_args=tuple(f["_SRUN_ARG"].value),
+        replace_after_s=f["_REPLACE_S"].value,
     )
     try:
         check_scheduler(options)

@@ -88,6 +88,8 @@ ENV = {
     "exit_with_parent": "SPARE_JAX_EXIT_WITH_PARENT",
     "relaunched_at": "SPARE_JAX_RELAUNCHED_AT",  # wall time the interrupted job ended
     "kills": "SPARE_JAX_KILLS",  # the fault injector's cues, PROCESS=STEP,... (testing)
+    "replacement": "SPARE_JAX_REPLACEMENT",  # set: this process replaces a dead one (re-join)
+    "started_at": "SPARE_JAX_STARTED_AT",  # wall time the launcher started this process
 }
 EXIT_DECLARED_DEAD = 76  # a worker the job declared dead (a stall past the heartbeat) woke up
 DEFAULT_HEARTBEAT_S = 10
@@ -264,6 +266,10 @@ def initialize_job(
         heartbeat_s=checks.integer("heartbeat_s", heartbeat, low=1),
         external_service=external,
     )
+    if os.environ.get(ENV["replacement"]):
+        from spare_jax import rejoin
+
+        rejoin.prepare_backend(index)
     _install_exit_handlers(joined=True)
     runlog.emit("hello", process=index, pid=os.getpid(), host=socket.gethostname())
     return True

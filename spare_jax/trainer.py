@@ -37,9 +37,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
+from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import checkpoint as ckpt_lib
-from spare_jax import errors, liveness, multihost, reorder, runlog
+from spare_jax import errors, liveness, multihost, rejoin, reorder, runlog
 from spare_jax import train_step as step_lib
 
 __all__ = ["Trainer", "host_scalar"]
@@ -69,6 +70,11 @@ def interval_model(
         gpu_mtbf_hours=gpu_mtbf_hours,
         repair_steps=failures.repair_steps,
     )
+
+
+def _host(x: Any) -> Any:
+    """A host copy of an array a backend reset would invalidate (NumPy passes through)."""
+    return multihost.host_copy(x) if isinstance(x, jax.Array) else x
 
 
 class Trainer:
@@ -115,6 +121,7 @@ class Trainer:
         if self.multi and step.donate:  # survivors re-wrap the buffers of a failed step
             step = step.on_mesh(step.mesh, step.rows, donate=False)
         self.step, self.params0, self.batches = step, params, batches
+        self._template = step  # what a re-join rebuilds the step from, on any mesh
         self.workdir, self.total, self.failures = workdir, steps, failures
         self.warmup, self.max_rollbacks = warmup_steps, max_rollbacks
         self.on_step, self.fault_hook = on_step, fault_hook
@@ -125,10 +132,16 @@ class Trainer:
         )
         self.owners = multihost.groups_of_processes(step.mesh) if self.multi else None
         self._by_group = multihost.group_devices(step.mesh)
-        self._devices = list(step.mesh.devices.flat)
+        self._all = list(step.mesh.devices.flat)  # the job's devices: membership is checked on all
+        # The whole job's layout by device id: a re-join rebuilds it on a new backend.
+        self._ids = np.vectorize(lambda d: d.id)(step.mesh.devices)
+        self._axes = step.mesh.axis_names
         self._ready: dict[tuple[int, ...], step_lib.SpareStep] = {}
         self._precompile = precompile_failures and self.multi
-        writer = self._is_writer()
+        self.replacement = self.multi and rejoin.is_replacement()
+        self.members = set(range(jax.process_count()))  # processes whose groups are on the mesh
+        self.writer_process = int(self.owners.min()) if self.multi else 0
+        writer = self._is_writer() and not self.replacement
         self.log = runlog.RunLog(workdir, writer=writer)
         self.ckpt = ckpt_lib.Checkpointer(
             os.path.join(workdir, "checkpoints"),
@@ -150,6 +163,7 @@ class Trainer:
         self.preemption: Any = None  # set by `spare_jax.fit` in a lone process
         self._resync = False
         self._transient = 0  # failed collectives in a row with every process alive
+        self.joining: dict[str, Any] | None = None  # a re-join waiting for its first step
 
     # ------------------------------------------------------------------ roles
 
@@ -158,10 +172,11 @@ class Trainer:
         return [int(g) for g in self.step.rows]
 
     def _is_writer(self) -> bool:
-        """One process writes the books: the lowest process that still holds a live group."""
-        if not self.multi:
-            return True
-        return jax.process_index() == int(self.owners[self.live_groups].min())
+        """One process writes the books: the lowest live one when the last writer died.
+
+        A replacement that re-joins does not take the role back.
+        """
+        return not self.multi or jax.process_index() == self.writer_process
 
     # ------------------------------------------------------------ checkpoints
 
@@ -213,7 +228,14 @@ class Trainer:
     # ----------------------------------------------------------------- phases
 
     def start(self) -> None:
-        """Resume from the latest good checkpoint, or start fresh at step 0."""
+        """Resume from the latest good checkpoint, or start fresh at step 0.
+
+        A replacement for a dead process instead joins the running job and
+        takes the state from a live peer (`_join`).
+        """
+        if self.replacement:
+            self._join()
+            return
         restored = self._restore()
         if restored is None:
             self.state, self.t = self.step.init(self.params0), 0
@@ -336,15 +358,17 @@ class Trainer:
         step = self._survivors(live)
         shardings = multihost.on_mesh(step.mesh, jax.tree.map(lambda x: x.sharding, self.state))
         self.state = multihost.reshard(self.state, shardings)
-        self._devices = list(step.mesh.devices.flat)
         rebuilt = time.time()
         stacks = step.stacks(self.batches(self.t))
         compile_s = 0.0 if step.slot_bound in step._aot else step.precompile(self.state, stacks)
         self.step, self._ready = step, {}
         self.lost_processes = sorted({*self.lost_processes, *dead_procs})
+        self.members -= set(dead_procs)
         self.failures.fail(dead_groups, self.t, repair=False)  # no devices to re-join with
         killed = [multihost.kill_time(p) for p in dead_procs]
         origin = max([started, *[k for k in killed if k is not None]])
+        if self.writer_process in dead_procs:
+            self.writer_process = int(self.owners[self.live_groups].min())
         if self._is_writer():
             self.log.become_writer()
             self.ckpt.become_writer()
@@ -365,27 +389,162 @@ class Trainer:
         self.recovering = {"origin": origin, "detected": detected, "resumed": time.time()}
         self._resync = True
 
+    # ------------------------------------------------------------------ re-join
+
+    def _record(self) -> dict[str, Any]:
+        """What a newcomer needs beyond the arrays to go on from step ``t`` as we do."""
+        return {
+            "step": self.t,
+            "attempt": self.attempt,
+            "liveness": self.failures.state_dict(),
+            "interval": self.interval.as_dict(),
+            "rows": self.live_groups,
+            "lost_processes": self.lost_processes,
+            "writer": self.writer_process,
+            "rollbacks": self.rollbacks,
+        }
+
+    def _admit(self, epoch: rejoin.Epoch) -> None:
+        """Survivors: hand the state to the newcomers of ``epoch`` and grow the mesh back.
+
+        Every survivor holds a full replica: each keeps its own on the host
+        across the backend reset; the writer also publishes it for the
+        newcomers. Step ``t`` runs next, with every group of the newcomers live.
+        """
+        start = time.time()
+        self._wait_for_saves()
+        leaves, treedef = jax.tree.flatten(multihost.local_view(self.state))
+        specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
+        self.params0 = jax.tree.map(_host, self.params0)
+        rows, sent = self.live_groups, 0
+        if self._is_writer():
+            data = rejoin.pack(leaves, self._record())
+            rejoin.send(epoch, data)
+            sent = len(data)
+        self.state, self.step, self._ready = None, None, {}
+        rejoin.reset_backend(epoch, fresh=False)
+        self._regrow(epoch, rows, jax.tree.unflatten(treedef, leaves), specs)
+        rejoin.done(epoch)
+        self._joined(epoch, start, sent)
+
+    def _join(self) -> None:
+        """A replacement: wait for the survivors to see us, take a live peer's state, go on."""
+        with live_devices(self._all):
+            pass  # the first block every process sees us in: the survivors stop there too
+        me = jax.process_index()
+        epoch = rejoin.Epoch(rejoin.live_incarnations(), [me])
+        start = time.time()
+        rejoin.announce(epoch)
+        rejoin.reset_backend(epoch, fresh=True)
+        data = rejoin.receive(epoch)
+        leaves, meta = rejoin.unpack(data)
+        abstract = self.global_abstract
+        state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+        specs = jax.tree.map(lambda a: a.sharding.spec, abstract)
+        self.t, self.attempt = int(meta["step"]), int(meta["attempt"])
+        self.failures.load_state_dict(meta["liveness"])
+        self.interval.load(meta["interval"])
+        self.lost_processes = [int(p) for p in meta["lost_processes"]]
+        self.writer_process, self.rollbacks = int(meta["writer"]), int(meta["rollbacks"])
+        self.members = {p for p in epoch.processes if p != me}
+        self._regrow(epoch, [int(g) for g in meta["rows"]], state, specs)
+        rejoin.done(epoch)
+        self._joined(epoch, start, len(data))
+        runlog.notice(f"joined the running job at step {self.t} with the state of a live peer")
+
+    def _regrow(self, epoch: rejoin.Epoch, rows: list[int], host_state: Any, specs: Any) -> None:
+        """The mesh over every live group (the newcomers' again), on this backend's devices."""
+        by_id = {d.id: d for d in jax.devices()}
+        full = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(self._ids), self._axes)
+        self._all = list(full.devices.flat)
+        self._by_group = multihost.group_devices(full)
+        back = [int(g) for g in np.flatnonzero(np.isin(self.owners, epoch.joiners))]
+        live = sorted({*rows, *back})
+        groups = np.arange(len(self.owners))
+        self.global_abstract = self._template.on_mesh(full, groups).abstract_state(self.params0)
+        self.step = self._template.on_mesh(
+            multihost.survivors_mesh(self._by_group, live), np.asarray(live)
+        )
+        shardings = jax.tree.map(lambda sp: NamedSharding(self.step.mesh, sp), specs)
+        self.state = multihost.from_local(host_state, shardings)
+        self.members |= set(epoch.joiners)
+        self.lost_processes = [p for p in self.lost_processes if p not in epoch.joiners]
+        self.failures.alive[back] = True
+        self._rejoined = back
+
+    def _joined(self, epoch: rejoin.Epoch, start: float, nbytes: int) -> None:
+        """Every process has its state: compile the step for the grown mesh, note the re-join."""
+        placed = time.time()
+        compile_s = self.step.precompile(self.state, self.step.stacks(self.batches(self.t)))
+        self.joining = {
+            "process": epoch.joiners,
+            "groups": self._rejoined,
+            "step": self.t,
+            "started": rejoin.start_times(epoch) if self._is_writer() else {},
+            "transfer_s": round(placed - start, 6),
+            "compile_s": round(compile_s, 6),
+            "bytes": nbytes,
+        }
+        if self.replacement:
+            runlog.emit("joined", step=self.t)
+
+    def _note_rejoin(self) -> None:
+        """After the first step with the newcomers: the re-join on record (the writer's)."""
+        if self.joining is None:
+            return
+        joining, self.joining = self.joining, None
+        if not self._is_writer():
+            return
+        started = joining.pop("started")
+        now = time.time()
+        joining["join_s"] = round(now - min(started.values()), 6) if started else None
+        self.log.event("rejoin", **joining)
+        runlog.notice(
+            f"process(es) {joining['process']} re-joined at step {joining['step']} "
+            f"(groups {joining['groups']} live again, {joining['bytes']} bytes from a peer)"
+        )
+
     # ------------------------------------------------------------------- step
 
-    def _execute(self, table: Any, load: int) -> dict[str, Any]:
-        """Run step ``t`` and return its record (raises ``ProcessFailureError``)."""
+    def _newcomers(self, live: Sequence[jax.Device]) -> list[int]:
+        """Processes this block's live set shows that are not on our mesh (a re-join)."""
+        return sorted({d.process_index for d in live} - self.members)
+
+    @staticmethod
+    def _epoch(joiners: list[int]) -> rejoin.Epoch | None:
+        """The re-join, named by the live set every process holds after the block."""
+        return rejoin.Epoch(rejoin.live_incarnations(), joiners) if joiners else None
+
+    def _execute(self, table: Any, load: int) -> dict[str, Any] | rejoin.Epoch:
+        """Run step ``t`` and return its record, or the re-join that comes first.
+
+        Raises ``ProcessFailureError`` when a process died. Membership is
+        checked over every device of the job, so that a replacement shows up
+        at the same block on every process.
+        """
         t0 = time.perf_counter()
         stacks = self.step.stacks(self.batches(self.t))
         if self._precompile:
             self._precompile = False
             self._precompile_all(stacks)
         if self._resync:  # survivors recover at their own pace: start the retry together
-            with live_devices(self._devices):
-                pass
+            with live_devices(self._all) as live:
+                joiners = self._newcomers(live)
             self._resync = False
+            if joiners:
+                return self._epoch(joiners)
         t1 = time.perf_counter()
         if self.multi:
-            with live_devices(self._devices):
-                if self.fault_hook is not None:
-                    self.fault_hook(self.t)
-                # A failed step's outputs carry its error: keep the state until it is done.
-                state, metrics = self.step.run(self.state, stacks, table)
-                jax.block_until_ready((state, metrics))
+            with live_devices(self._all) as live:
+                joiners = self._newcomers(live)
+                if not joiners:
+                    if self.fault_hook is not None:
+                        self.fault_hook(self.t)
+                    # A failed step's outputs carry its error: keep the state until it is done.
+                    state, metrics = self.step.run(self.state, stacks, table)
+                    jax.block_until_ready((state, metrics))
+            if joiners:
+                return self._epoch(joiners)
         else:
             if self.fault_hook is not None:
                 self.fault_hook(self.t)
@@ -452,10 +611,15 @@ class Trainer:
                 retry = True
                 continue
             self._transient = 0
+            if isinstance(record, rejoin.Epoch):  # step t waits for the newcomers
+                self._admit(record)
+                retry = True
+                continue
             if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
                 self._non_finite(record)
             self.log.write(record)
             self._recovered()
+            self._note_rejoin()
             if self.on_step is not None:
                 self.on_step(record)
             self.t += 1

@@ -1,0 +1,207 @@
+"""Hot re-join: a replacement for a dead process joins the running job (CPU and GPU).
+
+What JAX 0.10 offers and what it does not (docs/multihost.md, "Re-join"):
+
+* A replacement that connects with the dead process's id gets a new
+  incarnation from the coordination service, and the survivors'
+  ``live_devices`` yields its devices again, at the same block on every
+  process (its membership check is a barrier over the live processes, the
+  newcomer included). Nothing raises: a re-join is not a failure.
+* On CPU the collectives (Gloo) rendezvous through keys of the job's
+  key-value store named by the participating device ids only, and every
+  process caches its communicators by those ids: a clique that ran before
+  the death can never include the replacement (``ALREADY_EXISTS`` on its
+  side, closed pairs or a hang on the survivors'). Route taken here: every
+  survivor resets its backend (`jax.extend.backend.clear_backends`), the
+  stale rendezvous keys are deleted between two barriers, and everyone
+  builds its devices afresh. The cost is a recompilation on every process
+  (a persistent compilation cache makes it a cache hit) and a host round
+  trip of the state. On GPU the clique keys carry the incarnations already.
+* The state is moved through the same key-value store, from the writer's
+  host replica: a peer's copy, so nothing is lost and no step is repeated.
+
+These rely on names inside XLA (``cpu:gloo/``, ``cpu:global_topology/cpu``)
+and on ``live_devices``'s cache of the last live set; `tests/test_rejoin.py`
+holds them on every JAX upgrade.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.multihost_utils import live_devices
+from jax.extend import backend as jax_backend
+
+from spare_jax import multihost
+
+__all__ = [
+    "Epoch",
+    "announce",
+    "done",
+    "is_replacement",
+    "live_incarnations",
+    "pack",
+    "prepare_backend",
+    "receive",
+    "reset_backend",
+    "send",
+    "start_times",
+    "started_at",
+    "unpack",
+]
+
+_GLOO_KEYS = "cpu:gloo/"  # the CPU collectives' rendezvous keys, named by device ids only
+_TOPOLOGY_KEY = "cpu:global_topology/cpu"  # process 0 sets it whenever its backend starts
+_BARRIER_MS = 120_000
+
+
+def is_replacement() -> bool:
+    """Whether the launcher started this process to replace a dead one of a running job."""
+    return bool(os.environ.get(multihost.ENV["replacement"]))
+
+
+def started_at() -> float:
+    """When the launcher started this process (wall time; now when it did not say)."""
+    try:
+        return float(os.environ.get(multihost.ENV["started_at"], ""))
+    except ValueError:
+        return time.time()
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("hot re-join needs a multi-process job (spare_jax.initialize)")
+    return client
+
+
+def prepare_backend(process_id: int) -> None:
+    """Before a replacement's backend starts: let process 0 publish the job's topology again.
+
+    The other processes' backends read the topology the first process 0
+    published; a new process 0 writes it, which the store refuses while the
+    old key is there.
+    """
+    if process_id == 0:
+        _client().key_value_delete(_TOPOLOGY_KEY)
+
+
+class Epoch:
+    """One change of membership, as every live process saw it at the same block.
+
+    ``live`` is the process -> incarnation map `live_devices` holds after the
+    block in which the newcomers appeared: the same on every process, so its
+    digest names the barriers and the key-value entries of this re-join.
+    """
+
+    def __init__(self, live: dict[int, str], joiners: Sequence[int]):
+        self.live = dict(sorted(live.items()))
+        self.joiners = sorted({int(p) for p in joiners})
+        text = json.dumps(sorted(self.live.items())).encode()
+        self.tag = hashlib.sha1(text).hexdigest()[:16]
+
+    @property
+    def processes(self) -> list[int]:
+        return sorted(self.live)
+
+    @property
+    def survivors(self) -> list[int]:
+        return [p for p in self.processes if p not in self.joiners]
+
+    def key(self, name: str) -> str:
+        return f"spare_jax/rejoin/{self.tag}/{name}"
+
+
+def live_incarnations() -> dict[int, str]:
+    """process -> incarnation of the live set `live_devices` holds now."""
+    cached = getattr(live_devices, "devices", None) or {}
+    return {int(d.process_index): str(i) for d, i in cached.items()}
+
+
+def reset_backend(epoch: Epoch, *, fresh: bool) -> None:
+    """Give every live process new CPU collectives that know the newcomers.
+
+    Survivors (``fresh=False``) drop their backend; the newcomers' has run
+    no collective yet. Between two barriers over every live process the
+    stale rendezvous keys go (and the topology key, which a restarted
+    process 0 publishes again). Every ``jax.Array`` and compiled function of
+    a survivor is invalid afterwards: the caller holds host copies.
+    """
+    client = _client()
+    me = jax.process_index()
+    if not fresh:
+        jax_backend.clear_backends()
+    procs = epoch.processes
+    client.wait_at_barrier(epoch.key("a"), _BARRIER_MS, process_ids=procs)
+    if me == min(procs):
+        client.key_value_delete(_GLOO_KEYS)
+    if me == 0 and not fresh:
+        client.key_value_delete(_TOPOLOGY_KEY)
+    client.wait_at_barrier(epoch.key("b"), _BARRIER_MS, process_ids=procs)
+    live_devices.devices = None  # its cache holds the old backend's devices
+    jax.devices()  # the new backend, on every process at once
+
+
+def pack(leaves: Sequence[np.ndarray], meta: dict[str, Any]) -> bytes:
+    """Host arrays (any dtype, bfloat16 included) and a JSON record, as one byte string."""
+    index = [[str(x.dtype), list(x.shape)] for x in leaves]
+    head = json.dumps({"index": index, "meta": meta}).encode()
+    arrays = {
+        f"a{i}": np.ascontiguousarray(x).reshape(-1).view(np.uint8) for i, x in enumerate(leaves)
+    }
+    buf = io.BytesIO()
+    np.savez(buf, head=np.frombuffer(head, np.uint8), **arrays)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """The arrays and the record `pack` put in ``data``."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        head = json.loads(bytes(z["head"]).decode())
+        leaves = [
+            z[f"a{i}"].view(np.dtype(dtype)).reshape(shape)
+            for i, (dtype, shape) in enumerate(head["index"])
+        ]
+    return leaves, head["meta"]
+
+
+def send(epoch: Epoch, data: bytes) -> None:
+    """Publish the state for the newcomers of ``epoch`` (the writer does, before the reset)."""
+    _client().key_value_set_bytes(epoch.key("state"), data)
+
+
+def receive(epoch: Epoch, timeout_s: float = 300.0) -> bytes:
+    """The state a survivor published for ``epoch`` (`done` lets it go)."""
+    return _client().blocking_key_value_get_bytes(epoch.key("state"), int(timeout_s * 1000))
+
+
+def announce(epoch: Epoch) -> None:
+    """A newcomer says when the launcher started it (for the re-join's ``join_s``)."""
+    _client().key_value_set(epoch.key(f"started/{jax.process_index()}"), repr(started_at()))
+
+
+def start_times(epoch: Epoch) -> dict[int, float]:
+    """When each newcomer of ``epoch`` was started (after the reset: all announced)."""
+    client = _client()
+    return {
+        p: float(client.blocking_key_value_get(epoch.key(f"started/{p}"), _BARRIER_MS))
+        for p in epoch.joiners
+    }
+
+
+def done(epoch: Epoch) -> None:
+    """After every live process has its state: the writer lets the published copy go."""
+    client = _client()
+    client.wait_at_barrier(epoch.key("c"), _BARRIER_MS, process_ids=epoch.processes)
+    if jax.process_index() == min(epoch.survivors):
+        client.key_value_delete(epoch.key("state"))
