@@ -25,12 +25,16 @@ run, medians over ``--repeats``:
   SIGKILLed from outside as soon as the survivors report the first loss;
   from that second kill to the first completed step (or to the relaunched
   job's restored state when the survivors could not rebuild without it);
+* **re-join**: worker 2 SIGKILLed from outside with ``--replace_after_s=0``:
+  the replacement's start to its first step in the running job
+  (``join_s``), the survivors' pause for it, the state moved and its
+  transfer time, beside the relaunch above;
 * **preemption**: SIGTERM to the launcher in the middle of a run: from the
   notice to the end of the job (every worker saved the step reached and
   left), and the save itself.
 
 The figures come from the events the jobs write to ``metrics.jsonl``
-(``process_failure``, ``recovered``, ``relaunch``, ``preempted``). Every job
+(``process_failure``, ``recovered``, ``relaunch``, ``rejoin``, ``preempted``). Every job
 goes through the library's path: ``experiments/launch.py`` runs
 ``python -m spare_jax.launch`` around ``experiments/train.py``, a client of
 `spare_jax.fit`. Work directories are temporary unless ``--out`` names a
@@ -346,7 +350,8 @@ def main(argv: list[str]) -> None:
             f"{name}: " + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r.items()) for r in rows)
         )
     for name, rows in outside.items():
-        figures = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
+        keys = sorted({k for r in rows for k in r if "false_alarm" not in r})
+        figures = {k: statistics.median(r[k] for r in rows if k in r) for k in keys}
         medians[name] = figures
         print(f"{name:<40}" + "".join(f"  {k} {v:.3f}" for k, v in figures.items()))
     hang, kill = medians.get(HANG, {}), medians[CASES[0][0]]

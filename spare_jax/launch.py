@@ -195,6 +195,7 @@ class Job:
         self.workers = [Worker(i, logs[i]) for i in range(self.k)]
         self.command, self.job_env = list(command), job_env
         self.replacements = 0
+        self.injected: set[int] = set()  # indices whose --kill fired (a replacement's included)
         if options.scheduler == "slurm":
             self.srun = subprocess.Popen(
                 [*_srun(self.k, options), *command],
@@ -353,6 +354,7 @@ class Job:
             self.progress_at = now
         if kind == "kill_point":  # the fault injector: the worker kills itself now
             worker.injected = True
+            self.injected.add(worker.index)
         elif kind == "hello":
             worker.pid, worker.host = event.get("pid"), event.get("host", "")
         elif kind == "dead":
@@ -570,7 +572,7 @@ def launch(command: Sequence[str], options: Options) -> int:
                 "same command to resume"
             )
             return errors.EXIT_PREEMPTED
-        kills = {p: s for p, s in kills.items() if not job.workers[p].injected}
+        kills = {p: s for p, s in kills.items() if p not in job.injected}
         if job.resumed:
             env.pop(multihost.ENV["relaunched_at"], None)
         if outcome == "complete":

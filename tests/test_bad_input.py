@@ -245,6 +245,11 @@ CASES = [
         ((f"--launch_dir={BLOCKER}", "--", "true"), "launch directory is a file"),
         (("--heartbeat_s=0", "--", "true"), "zero heartbeat"),
         (("--devices_per_process=0", "--", "true"), "zero devices"),
+        (("--replace_after_s=-1", "--", "true"), "negative replacement delay"),
+        (
+            ("--scheduler=slurm", "--replace_after_s=5", "--", "true"),
+            "a replacement asked of SLURM",
+        ),
     ),
     *_cases(
         VALIDATE,
