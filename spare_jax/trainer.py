@@ -353,6 +353,9 @@ class Trainer:
         """Survivors take over: the dead groups failed, the new step and state, the books."""
         detected = time.time()
         dead_procs = sorted({d.process_index for d in err.failed_devices})
+        # The launcher first: it kills what is left of them and knows the others
+        # are recovering (compiling the step below can take longer than a heartbeat).
+        runlog.emit("dead", processes=dead_procs, step=self.t)
         dead_groups = [g for g in self.live_groups if self.owners[g] in dead_procs]
         live = [g for g in self.live_groups if g not in dead_groups]
         step = self._survivors(live)
@@ -381,7 +384,6 @@ class Trainer:
             rebuild_s=round(rebuilt - detected, 6),
             compile_s=round(compile_s, 6),
         )
-        runlog.emit("dead", processes=dead_procs, step=self.t)
         runlog.notice(
             f"process(es) {dead_procs} (groups {dead_groups}) declared dead during step "
             f"{self.t}; {len(live)} live group(s) go on"
