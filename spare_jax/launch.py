@@ -161,6 +161,19 @@ _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (.*)$")
 _SRUN_SIGNALS = {"Killed": -9, "Terminated": -15, "Aborted": -6, "Segmentation fault": -11}
 
 
+def _popen(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
+    """A child whose output (stdout and stderr, as text lines) the launcher reads."""
+    return subprocess.Popen(
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        env=env,
+    )
+
+
 def _task_ids(spec: str) -> list[int]:
     out = []
     for part in spec.split(","):
@@ -197,15 +210,7 @@ class Job:
         self.replacements = 0
         self.injected: set[int] = set()  # indices whose --kill fired (a replacement's included)
         if options.scheduler == "slurm":
-            self.srun = subprocess.Popen(
-                [*_srun(self.k, options), *command],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                errors="replace",
-                env=job_env,
-            )
+            self.srun = _popen([*_srun(self.k, options), *command], job_env)
             self._start(self._watch_srun)
             return
         for worker in self.workers:
@@ -214,15 +219,7 @@ class Job:
     def _spawn(self, worker: Worker, extra: dict[str, str]) -> None:
         env = {**self.job_env, multihost.ENV["process_id"]: str(worker.index), **extra}
         env[multihost.ENV["started_at"]] = repr(time.time())
-        worker.proc = subprocess.Popen(
-            self.command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            env=env,
-        )
+        worker.proc = _popen(self.command, env)
         self._start(self._watch, worker)
 
     def _replace_due(self, now: float) -> None:

@@ -194,15 +194,18 @@ class Trainer:
         for saved in self.ckpt.wait():
             self._note(saved)
         state = multihost.local_view(self.state) if self.multi else self.state
-        meta = {
+        stall = self.ckpt.save(self.t, state, self._meta(), force=force)
+        if stall is not None:
+            self.interval.stalls.append(stall)
+
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint records beyond the arrays, to go on from step ``t`` exactly."""
+        return {
             "step": self.t,
             "attempt": self.attempt,
             "liveness": self.failures.state_dict(),
             "interval": self.interval.as_dict(),
         }
-        stall = self.ckpt.save(self.t, state, meta, force=force)
-        if stall is not None:
-            self.interval.stalls.append(stall)
 
     def _note(self, saved: ckpt_lib.Saved) -> None:
         """A save completed with all its files: on record, and the interval re-derived."""
@@ -394,12 +397,9 @@ class Trainer:
     # ------------------------------------------------------------------ re-join
 
     def _record(self) -> dict[str, Any]:
-        """What a newcomer needs beyond the arrays to go on from step ``t`` as we do."""
+        """What a newcomer needs beyond the arrays: a checkpoint's record and the job's books."""
         return {
-            "step": self.t,
-            "attempt": self.attempt,
-            "liveness": self.failures.state_dict(),
-            "interval": self.interval.as_dict(),
+            **self._meta(),
             "rows": self.live_groups,
             "lost_processes": self.lost_processes,
             "writer": self.writer_process,
