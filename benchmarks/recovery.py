@@ -33,6 +33,18 @@ run, medians over ``--repeats``:
   notice to the end of the job (every worker saved the step reached and
   left), and the save itself.
 
+``--neighbour_kills=N`` runs one study instead: N jobs of
+``experiments/regression.py`` under ``python -m spare_jax.launch`` (4 workers
+of 2 CPU devices, 40 steps), each with one worker SIGKILLed from outside at
+step 20 (worker ``i % 4`` for the i-th), once per ``--neighbour_load``
+level (that many busy-looping processes started beside the job; the
+machine's own load average is printed with each run). On CPU a peer of the
+killed worker sometimes aborts in Gloo ("Received data size doesn't match
+expected size"), which turns a masked failure into a relaunch; the study
+counts those jobs (from the worker logs) and prints the rate per level:
+
+    python benchmarks/recovery.py --neighbour_kills=10 --neighbour_load=0,2
+
 The figures come from the events the jobs write to ``metrics.jsonl``
 (``process_failure``, ``recovered``, ``relaunch``, ``rejoin``, ``preempted``). Every job
 goes through the library's path: ``experiments/launch.py`` runs
@@ -53,7 +65,7 @@ import sys
 import tempfile
 import time
 
-from absl import flags
+from absl import app, flags
 
 from spare_jax import cli
 from spare_jax.runlog import read_records
@@ -70,6 +82,17 @@ _TIMEOUT = flags.DEFINE_integer(
     "collective_timeout_s", 2, "CPU collective timeout of the jobs (s).", lower_bound=1
 )
 _OUT = flags.DEFINE_string("out", "", "Directory for the runs and recovery.json (optional).")
+_NEIGHBOUR_KILLS = flags.DEFINE_integer(
+    "neighbour_kills",
+    0,
+    "Run only the neighbour-abort study: single kills per load level.",
+    lower_bound=0,
+    upper_bound=200,
+)
+_NEIGHBOUR_LOAD = flags.DEFINE_list(
+    "neighbour_load", ["0"], "Busy-looping processes beside each job of the study, per level."
+)
+GLOO_MISMATCH = "Received data size doesn't match expected size"
 
 CASES = (
     ("SPARe r=2, survivors continue", ["--strategy=spare", "--redundancy=2"], ["KILL:2"]),
@@ -124,15 +147,18 @@ def _worker_pid(workdir: str, process: int) -> int:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        mine = f"--workdir={workdir}" in cmdline and "train.py" in cmdline
+        script = "train.py" in cmdline or "regression.py" in cmdline
+        mine = f"--workdir={workdir}" in cmdline and script
         if mine and f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
             return int(entry.name)
     raise RuntimeError(f"no worker {process} of {workdir} found")
 
 
-def _outside(workdir: str, args: list[str], kills: list[str], act) -> tuple[list[dict], dict]:
-    """Run a job in the background; ``act(proc, workdir)`` sends a fault from outside."""
-    cmd = _command(workdir, args, kills, _STEPS.value // 2)
+def _outside(
+    workdir: str, args: list[str], kills: list[str], act, cmd: list[str] | None = None
+) -> tuple[list[dict], dict]:
+    """Run a job (``cmd``, else the LM's) in the background; ``act`` sends a fault from outside."""
+    cmd = cmd or _command(workdir, args, kills, _STEPS.value // 2)
     os.makedirs(workdir, exist_ok=True)
     err_path = os.path.join(workdir, "launcher.err")
     with open(err_path, "w", encoding="utf-8") as err:
@@ -263,6 +289,104 @@ def _rejoin_figures(records: list[dict]) -> dict[str, float]:
     }
 
 
+def _gloo_aborted(workdir: str) -> list[int]:
+    """Workers of the job whose log shows Gloo's collective mismatch."""
+    logs = sorted(pathlib.Path(workdir, "launch").glob("worker-*.log"))
+    return [
+        int(p.stem.split("-")[1]) for p in logs if GLOO_MISMATCH in p.read_text(errors="replace")
+    ]
+
+
+NEIGHBOUR_STEPS = 40  # experiments/regression.py steps per job of the study; the kill at 20
+
+
+def _regression_command(workdir: str) -> list[str]:
+    """experiments/regression.py (a user's script, `spare_jax.fit`) under the launcher."""
+    return [
+        sys.executable,
+        "-m",
+        "spare_jax.launch",
+        "--processes=4",
+        "--devices_per_process=2",
+        f"--heartbeat_s={_HEARTBEAT.value}",
+        f"--collective_timeout_s={_TIMEOUT.value}",
+        f"--launch_dir={os.path.join(workdir, 'launch')}",
+        "--",
+        sys.executable,
+        str(ROOT / "experiments" / "regression.py"),
+        f"--workdir={workdir}",
+        f"--steps={NEIGHBOUR_STEPS}",
+        "--checkpoint_steps=5",
+    ]
+
+
+def _single_kill(victim: int):
+    """A fault sent from outside: worker ``victim`` SIGKILLed once the run is half done."""
+
+    def act(proc, workdir: str, err_path: str) -> dict:
+        _wait_for(proc, _reached(workdir, NEIGHBOUR_STEPS // 2))
+        pid = _worker_pid(workdir, victim)
+        _note_kill(workdir, victim)
+        os.kill(pid, signal.SIGKILL)
+        return {"load_at_kill": os.getloadavg()[0]}
+
+    return act
+
+
+def _busy(count: int) -> list[subprocess.Popen]:
+    """``count`` processes that spin on a core each (the study's extra load)."""
+    loop = "while True: pass"
+    return [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(count)]
+
+
+def _neighbour_study(base: str) -> dict[str, dict]:
+    """Single kills per load level: how often a peer of the killed worker aborts in Gloo."""
+    out = {}
+    for level in (int(x) for x in _NEIGHBOUR_LOAD.value):
+        runs = []
+        busy = _busy(level)
+        try:
+            for i in range(_NEIGHBOUR_KILLS.value):
+                workdir = os.path.join(base, f"neighbour-load{level}-run{i}")
+                victim = i % 4
+                cmd = _regression_command(workdir)
+                records, extra = _outside(workdir, [], [], _single_kill(victim), cmd)
+                aborted = _gloo_aborted(workdir)
+                events = {r["event"] for r in records if "event" in r}
+                run = {
+                    "victim": victim,
+                    "gloo_aborted": aborted,
+                    "relaunched": "relaunch" in events,
+                    "masked": "recovered" in events and "relaunch" not in events,
+                    "exit": extra["code"],
+                    "load_at_kill": round(extra["load_at_kill"], 2),
+                }
+                runs.append(run)
+                print(f"load {level} #{i}: " + ", ".join(f"{k} {v}" for k, v in run.items()))
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        aborts = sum(bool(r["gloo_aborted"]) for r in runs)
+        loads = [r["load_at_kill"] for r in runs]
+        out[f"load {level}"] = {
+            "kills": len(runs),
+            "neighbour_aborts": aborts,
+            "relaunched": sum(r["relaunched"] for r in runs),
+            "masked": sum(r["masked"] for r in runs),
+            "median_load_at_kill": statistics.median(loads) if loads else float("nan"),
+            "runs": runs,
+        }
+        print(
+            f"{level} busy process(es): a neighbour aborted in Gloo after {aborts} of "
+            f"{len(runs)} single kills; {out[f'load {level}']['masked']} masked, "
+            f"{out[f'load {level}']['relaunched']} relaunched; median load average at the "
+            f"kill {out[f'load {level}']['median_load_at_kill']:.1f} ({os.cpu_count()} cores)",
+            flush=True,
+        )
+    return out
+
+
 HANG = "SPARe r=2, a worker SIGSTOPped (hang)"
 REJOIN = "SPARe r=2, a killed worker replaced (re-join)"
 SECOND = "SPARe r=2, a second kill during recovery"
@@ -314,6 +438,16 @@ def main(argv: list[str]) -> None:
     if keep:
         keep = cli.output_dir("out", keep)
     base = keep or tempfile.mkdtemp(prefix="spare_recovery_")
+    if _NEIGHBOUR_KILLS.value:
+        if not all(x.isdigit() for x in _NEIGHBOUR_LOAD.value):
+            raise app.UsageError(
+                f"--neighbour_load must be counts >= 0, got {_NEIGHBOUR_LOAD.value}"
+            )
+        study = _neighbour_study(base)
+        if keep:
+            with open(os.path.join(keep, "neighbour_aborts.json"), "w", encoding="utf-8") as f:
+                json.dump(study, f, indent=2)
+        return
     kill_step = _STEPS.value // 2
     results: dict[str, list[dict]] = {}
     for case, (name, args, kills) in enumerate(CASES):

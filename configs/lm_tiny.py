@@ -5,7 +5,9 @@ for a seconds-long smoke run; override fields with ``--config.model.d_model=128`
 
 The mesh is (data, redundancy, model) = (1, 4, 2) over 8 simulated CPU devices:
 one ring of 4 groups along the redundancy axis, each group spanning 2 model
-devices.
+devices. ``--config.mesh_axes=data:1,redundancy:4,fsdp:2,tensor:1`` names the
+axes instead (HSDP): the last inner axis shards attention heads and the MLP
+(tensor-style), a first of two or more splits each micro-batch's rows.
 """
 
 import ml_collections
@@ -17,6 +19,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """The config; ``arg="smoke"`` gives the tiny smoke variant."""
     config = ml_collections.ConfigDict()
     config.mesh = (1, 4, 2)
+    config.mesh_axes = ""  # named axes, e.g. "data:1,redundancy:4,fsdp:2,tensor:1"; overrides mesh
     config.strategy = "spare"
     config.redundancy = 2
     config.microbatches = 2

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 
 from spare_jax import cli
+from spare_jax.analysis.batch import short_count
 
 Rows = list[dict]
 
@@ -310,6 +311,145 @@ def reduction(rows: Rows, out: str) -> None:
     write_csv(os.path.join(out, "reduction_vs_replication.csv"), rows)
 
 
+# Colour per framing of the headline table (reproduce.FRAMINGS).
+FRAMING_COLORS = {"optimum": "C0", "r=2": "C1", "r=4": "C2", "r=8": "C3"}
+
+
+def _framing_label(framing: str) -> str:
+    if framing == "optimum":
+        return "each at its optimum (SPARe's best r at this m)"
+    return f"equal redundancy {framing.replace('=', ' = ')}"
+
+
+def _halves(rows: Rows) -> list[Rows]:
+    """The headline rows without a cap, then with it (either may be empty)."""
+    return [
+        [x for x in rows if not x["max_global_batch_tokens"]],
+        [x for x in rows if x["max_global_batch_tokens"]],
+    ]
+
+
+def headline(rows: Rows, out: str, replicas: int) -> None:
+    """headline_by_batch.{png,csv,md}: reduction vs replication along m and the framing."""
+    halves = [h for h in _halves(rows) if h]
+
+    def setup(axes):
+        axes = axes if isinstance(axes, list) else [axes]
+        for ax, half in zip(axes, halves, strict=True):
+            for framing, color in FRAMING_COLORS.items():
+                sel = [x for x in half if x["framing"] == framing]
+                mm = [x["microbatches"] for x in sel]
+                ax.errorbar(
+                    mm,
+                    [100 * x["sim_reduction"] for x in sel],
+                    [100 * x["sim_reduction_se"] for x in sel],
+                    fmt="o-",
+                    color=color,
+                    ms=4,
+                    lw=1.6,
+                )
+                ax.plot(mm, [100 * x["closed_form_reduction"] for x in sel], "x:", color=color)
+            ax.axhspan(40, 50, color="C2", alpha=0.12)
+            ax.axhline(0, color="k", lw=0.6)
+            ax.set_xscale("log", base=2)
+            first = {x["microbatches"]: x for x in half if x["framing"] == "optimum"}
+            ax.set_xticks(list(first))
+            ax.set_xticklabels(
+                [
+                    f"{m}\n{short_count(x['global_batch_tokens'])}\n{x['gpus_per_group']:,}"
+                    for m, x in first.items()
+                ],
+                fontsize=8,
+            )
+            ax.minorticks_off()
+            ax.set_xlabel(
+                "micro-batches per group m / global batch (tokens a step) / GPUs per group",
+                fontsize=9,
+            )
+            ax.set_ylabel("time-to-train reduction vs replication (%)")
+            cap = half[0]["max_global_batch_tokens"]
+            ax.set_title(
+                f"{half[0]['gpus']:,} GPUs, micro-batch {half[0]['microbatch_tokens']:,} tokens, "
+                + (f"batch capped at {int(cap):,} tokens a step" if cap else "no cap on the batch"),
+                fontsize=10,
+            )
+        _style_legend(
+            axes[-1],
+            [(_framing_label(f), c) for f, c in FRAMING_COLORS.items()],
+            [
+                (f"simulation (± s.e., {_runs(replicas)} a plan)", {"marker": "o", "ls": "-"}),
+                ("closed form (= plan.py)", {"marker": "x", "ls": ":"}),
+                ("paper's claim (40~50%)", {"lw": 8, "color": "C2", "alpha": 0.12}),
+            ],
+        )
+
+    _figure(os.path.join(out, "headline_by_batch.png"), setup, panels=len(halves))
+    write_csv(os.path.join(out, "headline_by_batch.csv"), rows)
+    with cli.replace_file(os.path.join(out, "headline_by_batch.md")) as f:
+        f.write(headline_markdown(rows, replicas) + "\n")
+
+
+def headline_markdown(rows: Rows, replicas: int) -> str:
+    """The headline table in Markdown: one table without the cap, one with it."""
+    text = []
+    for half in _halves(rows):
+        if not half:
+            continue
+        x0, cap = half[0], half[0]["max_global_batch_tokens"]
+        rep_r = next(x["replication_r"] for x in half if x["framing"] == "optimum")
+        if not cap:
+            text.append(
+                f"At {x0['gpus']:,} GPUs ({x0['groups']:,} groups of {x0['gpus_per_group']}), "
+                f"micro-batch {x0['microbatch_tokens']:,} tokens, no cap on the global batch. "
+                "Each cell: reduction of time-to-train against replication, closed form / "
+                f"simulation ± s.e. ({_runs(replicas)} a plan). Each at its optimum: SPARe "
+                f"adaptive at its best r for this m (column SPARe r) against replication at its "
+                f"best r ({rep_r}); equal r: both at that r. Checkpoint intervals optimised."
+            )
+        else:
+            text.append(
+                f"Under a cap of {int(cap):,} tokens a step: each m runs on the most groups whose "
+                f"global batch fits (whole {x0['base_gpus_per_group']}-GPU base groups, G a "
+                "multiple of 8 so that replication runs at every r compared); replication, "
+                "whose time does not depend on m, runs on the m = 1 layout "
+                f"({x0['replication_groups']:,} groups of {x0['replication_gpus_per_group']:,} "
+                f"GPUs; its best r = {rep_r})."
+            )
+        by_m: dict[int, dict[str, dict]] = {}
+        for x in half:
+            by_m.setdefault(int(x["microbatches"]), {})[x["framing"]] = x
+        text += [
+            "",
+            (
+                "| m | groups x GPUs | global batch (sequences) | tokens | SPARe r "
+                "| each at its optimum | equal r = 2 | equal r = 4 | equal r = 8 |"
+            ),
+            "|" + "---|" * 9,
+        ]
+        for m, cells in by_m.items():
+            x = cells["optimum"]
+            text.append(
+                f"| {m} | {int(x['groups']):,} x {int(x['gpus_per_group']):,} "
+                f"| {int(x['global_batch_sequences']):,} | {short_count(x['global_batch_tokens'])} "
+                f"| {x['spare_r']} | "
+                + " | ".join(_cell(cells[f]) if f in cells else "n/a" for f in FRAMING_COLORS)
+                + " |"
+            )
+        text.append("")
+    return "\n".join(text).rstrip("\n")
+
+
+def _runs(n: int) -> str:
+    return f"{n} run" + ("s" if n > 1 else "")
+
+
+def _cell(x: dict) -> str:
+    return (
+        f"{_pct(x['closed_form_reduction'])} / {_pct(x['sim_reduction'])} "
+        f"± {100 * x['sim_reduction_se']:.1f}"
+    )
+
+
 # ---------------------------------------------------------------- summary.md
 
 
@@ -335,17 +475,34 @@ def _with_pct(rows: Rows) -> Rows:
     ]
 
 
-def summary(out: str, header: str, parts: dict[str, Rows], gpus: int) -> None:
-    """summary.md: the tables docs/results.md quotes."""
+def summary(out: str, header: str, parts: dict[str, Rows], gpus: int, replicas: int) -> None:
+    """summary.md: the tables docs/results.md quotes, the headline along the batch first."""
     head = parts["reduction"][-1]
+    free = {
+        x["microbatches"]: x
+        for x in parts["headline"]
+        if not x["max_global_batch_tokens"] and x["framing"] == "optimum"
+    }
+    at = free.get(head["spare_m"])
+    batch = (
+        f" (a global batch of {int(at['global_batch_sequences']):,} sequences, "
+        f"{short_count(at['global_batch_tokens'])} tokens a step, at "
+        f"{at['microbatch_tokens']:,} tokens a micro-batch)"
+        if at and at["gpus"] == head["gpus"]
+        else ""
+    )
     text = [
         "# Reproduced results (generated by experiments/reproduce.py)",
         "",
         header,
         "",
+        f"## The reduction against replication at {gpus:,} GPUs, along m, batch and framing",
+        "",
+        headline_markdown(parts["headline"], replicas),
+        "",
         (
-            f"**Headline at {head['gpus']:,} GPUs**: SPARe adaptive at r = {head['spare_r']}, "
-            f"m = {head['spare_m']} vs replication at r = {head['replication_r']}: "
+            f"**The optimum at {head['gpus']:,} GPUs**: SPARe adaptive at r = {head['spare_r']}, "
+            f"m = {head['spare_m']}{batch} vs replication at r = {head['replication_r']}: "
             f"closed form {_pct(head['closed_form_reduction'])} less time-to-train "
             f"(the number `python experiments/plan.py` prints), simulation of the same plans "
             f"{_pct(head['sim_reduction'])} ± {100 * head['sim_reduction_se']:.1f} (s.e.)."

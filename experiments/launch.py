@@ -25,8 +25,10 @@ import json
 import os
 import sys
 
+import numpy as np
 import train  # experiments/ is on sys.path: defines every train.py flag here too
 from absl import app, flags
+from lm import setup as experiment
 
 from spare_jax import cli, launch
 
@@ -53,7 +55,15 @@ _REPLACE_S = flags.DEFINE_float(
     "running job with a live peer's state (hot re-join). Unset: back at the next relaunch.",
     lower_bound=0.0,
 )
+_EVICT_S = flags.DEFINE_float(
+    "evict_after_s",
+    30.0,
+    "Evict a worker that stands still while its peers wait for it this long (or 10 median "
+    "steps when longer); 0: never (python -m spare_jax.launch --help).",
+    lower_bound=0.0,
+)
 OWN_FLAGS = (
+    "evict_after_s",
     "processes",
     "devices_per_process",
     "kill",
@@ -86,19 +96,23 @@ def main(argv: list[str]) -> None:
     for name, flag in (("steps", train._STEPS), ("seed", train._SEED)):
         if flag.value is not None:
             config[name] = flag.value
-    mesh = [int(x) for x in config.mesh]
-    devices = mesh[0] * mesh[1] * mesh[2]
+    try:
+        axes = experiment.mesh_axes(config)
+    except ValueError as err:
+        raise app.UsageError(str(err)) from None
+    sizes = [size for _, size in axes]
+    devices, per_group = int(np.prod(sizes)), int(np.prod(sizes[2:]))
     k = _PROCESSES.value
     dpp = _DEVICES_PER_PROCESS.value or (devices // k if devices % k == 0 else 0)
     if dpp * k != devices:
         raise app.UsageError(
             f"--processes={k} x --devices_per_process must equal the mesh's "
-            f"{devices} devices {tuple(mesh)}"
+            f"{devices} devices {dict(axes)}"
         )
-    if dpp % mesh[2]:
+    if dpp % per_group and per_group % dpp:
         raise app.UsageError(
-            f"each process's {dpp} devices must hold whole groups of "
-            f"{mesh[2]} (model axis): a group never spans two processes"
+            f"each process's {dpp} devices would hold parts of two groups of {per_group}: "
+            "devices per process must divide a group's devices or be a multiple of them"
         )
     try:
         kills = launch.parse_kills(_KILL.value, k)
@@ -123,6 +137,7 @@ def main(argv: list[str]) -> None:
         collective_timeout_s=timeouts["collective_timeout_s"],
         log_dir=os.path.join(workdir, "launch"),
         replace_after_s=_REPLACE_S.value,
+        evict_after_s=_EVICT_S.value,
     )
     command = [sys.executable, train.__file__, *_passthrough(sys.argv)]
     code = launch.launch(command, options)

@@ -16,6 +16,16 @@ ratio, mean overhead and the reduction versus replication.
 (negative, zero, non-finite, r > G, sizes beyond the model's limits, ...)
 print one line and exit with status 2, before any work. `--json` always prints
 valid JSON: non-finite results are null.
+
+The batch: every plan reads a global batch of G x m x b tokens a step (b:
+`--microbatch_tokens`, one 8,192-token sequence by default, Llama 3 405B's
+sequence length; `--sequence_tokens` when a micro-batch holds several
+sequences), reported per strategy in sequences and tokens. With
+`--max_global_batch_tokens` (16777216 is Llama 3 405B's 16M-token batch) the
+search keeps to the m whose batch fits; a cap below one micro-batch per group
+is refused (exit 2), naming the most groups it admits.
+
+    python experiments/plan.py --gpus_per_group 600 --max_global_batch_tokens 16777216
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from tqdm import tqdm
 
 from spare_jax import analysis, cli, strategies
 from spare_jax.analysis import planner
+from spare_jax.analysis.batch import short_count
 from spare_jax.scenario import Scenario
 
 _CONFIG = os.path.join(
@@ -49,6 +60,23 @@ _MICROBATCHES = flags.DEFINE_list(
     "microbatches",
     [str(m) for m in analysis.DEFAULT_MICROBATCHES],
     "Candidate micro-batches m (SPARe adaptive; comma-separated).",
+)
+_MICROBATCH_TOKENS = flags.DEFINE_integer(
+    "microbatch_tokens",
+    analysis.DEFAULT_MICROBATCH_TOKENS,
+    "Tokens in one micro-batch, b (default: one 8,192-token sequence, Llama 3 405B's "
+    "sequence length; sources in docs/planning.md).",
+)
+_SEQUENCE_TOKENS = flags.DEFINE_integer(
+    "sequence_tokens",
+    None,
+    "Tokens in one sequence (default: --microbatch_tokens, one sequence per micro-batch).",
+)
+_MAX_BATCH = flags.DEFINE_integer(
+    "max_global_batch_tokens",
+    None,
+    "Cap on the global batch G x m x b, tokens a step (default: none; Llama 3 405B's "
+    "was 16M = 16777216); the search keeps to the m that fit.",
 )
 _RESTART_S = flags.DEFINE_float(
     "restart_s",
@@ -97,15 +125,32 @@ def json_ready(value: Any) -> Any:
     return value
 
 
+def build_batch() -> analysis.Batch:
+    """The micro-batch and the cap from the flags (`app.UsageError` if bad)."""
+    try:
+        return analysis.Batch(_MICROBATCH_TOKENS.value, _SEQUENCE_TOKENS.value, _MAX_BATCH.value)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
+
+
 def plan(
-    scenario: Scenario, redundancies: list[int], microbatches: list[int], show_progress: bool = True
+    scenario: Scenario,
+    redundancies: list[int],
+    microbatches: list[int],
+    show_progress: bool = True,
+    batch: analysis.Batch | None = None,
 ) -> dict:
     """Optimise every variant; return the result (`json_ready` makes it valid JSON).
 
+    `batch` (default `analysis.Batch()`: one 8,192-token sequence per micro-batch,
+    no cap) sets each plan's global batch, G x m x b, and the cap the search keeps to.
+
     Raises:
-        ValueError: a candidate beyond the model's limits (checked before any work).
+        ValueError: a candidate beyond the model's limits, or a cap below one
+            micro-batch per group (checked before any work).
     """
-    search = {"redundancies": redundancies, "microbatches": microbatches}
+    batch = analysis.Batch() if batch is None else batch
+    search = {"redundancies": redundancies, "microbatches": microbatches, "batch": batch}
     total = sum(
         planner.candidate_count(scenario, v.strategy, policy=v.policy, **search)
         for v in strategies.VARIANTS
@@ -141,14 +186,37 @@ def plan(
                 "interruptions": e.interruptions,
                 "lost_work_h": e.lost_work_s / 3600.0,
                 "reduction_vs_replication": 1.0 - e.time_to_train_s / rep,
+                "global_batch_sequences": int(
+                    batch.global_sequences(scenario.groups, p.microbatches)
+                ),
+                "global_batch_tokens": int(batch.global_tokens(scenario.groups, p.microbatches)),
             }
         )
     return {
         "scenario": dataclasses.asdict(scenario)
         | {"groups": scenario.groups, "restart_seconds": scenario.restart_seconds()},
+        "batch": dataclasses.asdict(batch)
+        | {
+            "microbatch_sequences": batch.microbatch_sequences,
+            "max_microbatches": batch.max_microbatches(scenario.groups),
+        },
         "strategies": rows,
         "reduction_vs_replication": 1.0 - plans["spare_adaptive"].estimate.time_to_train_s / rep,
     }
+
+
+def batch_line(result: dict) -> str:
+    """One line on the micro-batch and the cap."""
+    b = result["batch"]
+    n, seq = b["microbatch_sequences"], b["microbatch_tokens"] // b["microbatch_sequences"]
+    what = f"{n} sequences of {seq:,} tokens" if n > 1 else f"one {seq:,}-token sequence"
+    line = f"micro-batch b = {b['microbatch_tokens']:,} tokens ({what})"
+    if b["max_global_batch_tokens"] is None:
+        return line + "; global batch G x m x b, no cap"
+    return (
+        line + f"; global batch G x m x b capped at {b['max_global_batch_tokens']:,} tokens "
+        f"(m <= {b['max_microbatches']} at {result['scenario']['groups']:,} groups)"
+    )
 
 
 def table(result: dict) -> str:
@@ -172,6 +240,8 @@ def table(result: dict) -> str:
         "MTTI_h",
         "restarts",
         "vs_repl",
+        "batch_seq",
+        "batch_tok",
     )
     lines = [
         (
@@ -186,6 +256,8 @@ def table(result: dict) -> str:
             f"{row['mean_time_to_interruption_h']:,.2f}",
             f"{row['interruptions']:,.2f}",
             f"{100.0 * row['reduction_vs_replication']:+.1f}%",
+            short_count(row["global_batch_sequences"]),
+            short_count(row["global_batch_tokens"]),
         )
         for row in result["strategies"]
     ]
@@ -197,12 +269,20 @@ def table(result: dict) -> str:
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
 
-    out = [head, "", fmt(cols), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines]
+    out = [head, batch_line(result), "", fmt(cols), fmt(["-" * w for w in widths])]
+    out += [fmt(line) for line in lines]
     red = result["reduction_vs_replication"]
+    spare = result["strategies"][-1]
     out += [
         "",
         "SPARe adaptive vs replication (each at its optimum): "
-        + (f"{100.0 * red:.1f}% less time-to-train" if math.isfinite(red) else "n/a"),
+        + (
+            f"{100.0 * red:.1f}% less time-to-train, at m = {spare['microbatches']}: a global "
+            f"batch of {short_count(spare['global_batch_sequences'])} sequences "
+            f"({short_count(spare['global_batch_tokens'])} tokens) a step"
+            if math.isfinite(red)
+            else "n/a"
+        ),
     ]
     return "\n".join(out)
 
@@ -217,9 +297,13 @@ def main(argv: list[str]) -> None:
             f"redundancy r={max(redundancies)} exceeds the number of groups "
             f"G={scenario.groups} (set --redundancy)"
         )
+    batch = build_batch()
     try:
-        result = plan(scenario, redundancies, microbatches, show_progress=not _JSON.value)
-    except ValueError as error:  # a candidate beyond the model's limits: refused before work
+        batch.check_groups(scenario.groups)
+        result = plan(
+            scenario, redundancies, microbatches, show_progress=not _JSON.value, batch=batch
+        )
+    except ValueError as error:  # beyond the model's limits, or over the cap: before work
         raise app.UsageError(str(error)) from None
     if _JSON.value:
         print(json.dumps(json_ready(result), indent=2, allow_nan=False))

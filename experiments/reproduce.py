@@ -30,9 +30,17 @@ Writes under --out, one PNG and one CSV per result:
     r <= 6), costly micro-batches, failure rate, restart growth, group size,
     checkpoint cost, failure law, async checkpoints and hot re-join;
 * domains (CSV + table): whole-rack failures, cyclic vs strided stacking;
+* headline_by_batch (CSV, PNG and Markdown): the reduction vs replication at
+    the largest scale along the micro-batch count m (each with the global batch
+    G x m x b it implies, b = --microbatch_tokens) and the framing (each strategy
+    at its optimum; equal redundancy r = 2, 4, 8), closed form and simulation;
+    then the same under a cap on the global batch (--max_global_batch_tokens,
+    default Llama 3 405B's 16M tokens a step), where each m gets the smallest
+    groups (whole base groups of the scenario) whose batch fits;
 
-and summary.md, the tables docs/results.md quotes. Figures and files are drawn
-by experiments/_figures.py.
+and summary.md, the tables docs/results.md quotes (written when every part
+runs; `--parts=headline` regenerates that table alone). Figures and files are
+drawn by experiments/_figures.py.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import time
 import _figures  # experiments/ is on sys.path when this file runs as a script
 import numpy as np
 import tqdm
-from absl import flags
+from absl import app, flags
 
 from spare_jax import analysis, cli, sim, strategies
 from spare_jax.analysis import weights
@@ -66,6 +74,24 @@ REPLICAS = flags.DEFINE_integer(
 SEED = flags.DEFINE_integer(
     "seed", 0, "base seed (>= 0), added to every per-point seed", lower_bound=0
 )
+MICROBATCH_TOKENS = flags.DEFINE_integer(
+    "microbatch_tokens",
+    analysis.DEFAULT_MICROBATCH_TOKENS,
+    "tokens in one micro-batch b, for the global batch G x m x b of the headline table "
+    "(default: one 8,192-token sequence, Llama 3 405B's sequence length)",
+)
+MAX_BATCH = flags.DEFINE_integer(
+    "max_global_batch_tokens",
+    analysis.REFERENCE_BATCH_TOKENS,
+    "cap on the global batch (tokens a step) of the headline table's second half "
+    "(default: Llama 3 405B's 16M)",
+)
+PARTS = flags.DEFINE_list(
+    "parts",
+    None,
+    "results to compute (default: all, and summary.md): overhead, endurance, availability, "
+    "time_to_train, reduction (needs time_to_train), sensitivity, domains, headline",
+)
 
 HOUR = 3600.0
 REDUNDANCIES = analysis.DEFAULT_REDUNDANCIES
@@ -80,6 +106,11 @@ VARIANTS = strategies.VARIANTS
 REPLICATION, SPARE = strategies.variant("replication"), strategies.variant("spare_adaptive")
 REPLICATION_R2 = Variant("replication_r2", "replication (r >= 2)", "replication", "adaptive")
 SEARCH = {REPLICATION_R2.name: tuple(r for r in REDUNDANCIES if r >= 2)}
+# The headline table's framings: each strategy at its own optimum, and equal
+# redundancy (SPARe and replication at the same r).
+OPTIMUM = "optimum"
+EQUAL_R = (2, 4, 8)
+FRAMINGS = (OPTIMUM, *(f"r={r}" for r in EQUAL_R))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,9 +439,142 @@ def domain_rows(settings: Settings) -> list[dict]:
     return rows
 
 
+def headline_groups(
+    scenario: Scenario, batch: analysis.Batch, microbatches: tuple[int, ...] = MICROBATCHES
+) -> np.ndarray:
+    """Groups per m for the headline table: the scenario's without a cap; with one,
+    the most (smallest groups, whole base groups, G a multiple of every r compared)
+    whose global batch G x m x b fits (0: none)."""
+    ms = np.asarray(microbatches, dtype=np.int64)
+    if batch.max_global_batch_tokens is None:
+        return np.full(ms.shape, scenario.groups, dtype=np.int64)
+    limit = batch.max_global_batch_tokens // (ms * batch.microbatch_tokens)
+    return analysis.capped_groups(
+        scenario.gpus, scenario.gpus_per_group, limit, multiple_of=math.lcm(*EQUAL_R)
+    )
+
+
+def _with_groups(scenario: Scenario, groups: int) -> Scenario:
+    return dataclasses.replace(scenario, gpus_per_group=scenario.gpus // int(groups))
+
+
+def headline_rows(settings: Settings, batch: analysis.Batch) -> list[dict]:
+    """Reduction vs replication at the largest scale along m and the framing.
+
+    One row per (m, framing): SPARe adaptive pinned at m, either at its best r
+    against replication at its best ("optimum") or both at the same r. With a cap
+    (`batch.max_global_batch_tokens`), each m runs on the most groups whose batch
+    fits (`headline_groups`), and replication, whose time does not depend on m, on
+    the m = 1 layout (the most groups any m allows). Simulations of the same plan
+    are shared between rows.
+    """
+    base = _scenario(settings, gpus=settings.gpus[-1])
+    groups = headline_groups(base, batch)
+    if groups[0] == 0:
+        raise ValueError("no layout fits the cap at m = 1")
+    rep_scenario = _with_groups(base, groups[0])
+    runs: dict[tuple, dict] = {}
+
+    def measure(scenario: Scenario, p: analysis.Plan) -> dict:
+        key = (scenario, p.strategy, p.policy, p.redundancy, p.microbatches)
+        if key not in runs:
+            summary = simulate(scenario, p, settings, seed=11_000 + len(runs))
+            runs[key] = {
+                "r": p.redundancy,
+                "interval": p.checkpoint_interval_s,
+                "closed_form_h": p.estimate.time_to_train_s / HOUR,
+                "sim_h": summary.mean["time_to_train_s"] / HOUR,
+                "sim_se_h": summary.stderr["time_to_train_s"] / HOUR,
+            }
+        return runs[key]
+
+    rows = []
+    cases = [
+        (m, g, f) for m, g in zip(MICROBATCHES, groups.tolist(), strict=True) for f in FRAMINGS
+    ]
+    desc = "headline, capped" if batch.max_global_batch_tokens else "headline"
+    for m, g, framing in tqdm.tqdm(cases, desc=desc, leave=False):
+        if g == 0:
+            continue  # no layout fits this m under the cap
+        scenario = _with_groups(base, g)
+        rs = None if framing == OPTIMUM else (int(framing.removeprefix("r=")),)
+        spa = measure(scenario, plan(scenario, SPARE, redundancies=rs, microbatches=(m,)))
+        rep = measure(rep_scenario, plan(rep_scenario, REPLICATION, redundancies=rs))
+        rows.append(
+            dict(
+                max_global_batch_tokens=batch.max_global_batch_tokens,
+                microbatch_tokens=batch.microbatch_tokens,
+                microbatches=m,
+                framing=framing,
+                gpus=scenario.gpus,
+                groups=g,
+                gpus_per_group=scenario.gpus_per_group,
+                base_gpus_per_group=base.gpus_per_group,
+                global_batch_sequences=int(batch.global_sequences(g, m)),
+                global_batch_tokens=int(batch.global_tokens(g, m)),
+                spare_r=spa["r"],
+                spare_interval_s=spa["interval"],
+                replication_r=rep["r"],
+                replication_groups=rep_scenario.groups,
+                replication_gpus_per_group=rep_scenario.gpus_per_group,
+                spare_closed_form_h=spa["closed_form_h"],
+                replication_closed_form_h=rep["closed_form_h"],
+                spare_sim_h=spa["sim_h"],
+                replication_sim_h=rep["sim_h"],
+                **reduction(spa, rep),
+            )
+        )
+    return rows
+
+
+PART_NAMES = (
+    "overhead",
+    "endurance",
+    "availability",
+    "time_to_train",
+    "reduction",
+    "sensitivity",
+    "domains",
+    "headline",
+)
+
+
+def _parts() -> tuple[str, ...]:
+    """--parts, checked (`app.UsageError` naming the problem)."""
+    names = tuple(PARTS.value) if PARTS.value else PART_NAMES
+    unknown = [n for n in names if n not in PART_NAMES]
+    if unknown or not names:
+        raise app.UsageError(
+            f"--parts must list some of {', '.join(PART_NAMES)}; got {','.join(names) or '()'}"
+        )
+    if "reduction" in names and "time_to_train" not in names:
+        raise app.UsageError("--parts=reduction needs time_to_train too")
+    return names
+
+
+def _batches(settings: Settings) -> tuple[analysis.Batch, analysis.Batch]:
+    """The headline table's batch without and with the cap (`app.UsageError` if bad)."""
+    try:
+        free = analysis.Batch(MICROBATCH_TOKENS.value)
+        capped = analysis.Batch(MICROBATCH_TOKENS.value, None, MAX_BATCH.value)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
+    base = _scenario(settings, gpus=settings.gpus[-1])
+    if headline_groups(base, capped)[0] == 0:
+        raise app.UsageError(
+            f"max_global_batch_tokens={MAX_BATCH.value:,} is below one micro-batch per group "
+            f"at every layout of {base.gpus:,} GPUs: at least {math.lcm(*EQUAL_R)} groups "
+            f"(r up to {max(EQUAL_R)}) x {MICROBATCH_TOKENS.value:,} tokens = "
+            f"{math.lcm(*EQUAL_R) * MICROBATCH_TOKENS.value:,} tokens a step"
+        )
+    return free, capped
+
+
 def main(argv: list[str]) -> None:
     del argv
     settings = _settings(QUICK.value, REPLICAS.value, SEED.value)
+    names = _parts()
+    free, capped = _batches(settings)
     out = cli.output_dir("out", OUT.value)
     start = time.time()
     gpus = settings.gpus[-1]
@@ -450,19 +614,29 @@ def main(argv: list[str]) -> None:
             domain_rows,
             lambda rows: _figures.write_csv(os.path.join(out, "domains.csv"), rows),
         ),
+        (
+            "headline",
+            lambda s: headline_rows(s, free) + headline_rows(s, capped),
+            lambda rows: _figures.headline(rows, out, settings.replicas),
+        ),
     ]
+    steps = [step for step in steps if step[0] in names]
     for name, compute, draw in tqdm.tqdm(steps, desc="reproduce"):
         parts[name] = compute(settings)
         draw(parts[name])
     minutes = (time.time() - start) / 60
+    if len(parts) < len(PART_NAMES):
+        print(f"wrote {', '.join(parts)} under {out}/ in {minutes:.1f} min (no summary.md)")
+        return
     header = (
         f"Settings: quick={settings.quick}, {settings.replicas} simulated runs per point, "
         f"{settings.work_hours:.0f} h of failure-free work; search r in "
         f"{min(REDUNDANCIES)}..{max(REDUNDANCIES)}, "
         f"m in {{{', '.join(map(str, MICROBATCHES))}}} (SPARe adaptive), "
-        f"as experiments/plan.py; {minutes:.1f} min."
+        f"as experiments/plan.py; micro-batch {free.microbatch_tokens:,} tokens; "
+        f"{minutes:.1f} min."
     )
-    _figures.summary(out, header, parts, gpus)
+    _figures.summary(out, header, parts, gpus, settings.replicas)
     print(f"wrote {out}/ in {minutes:.1f} min")
 
 

@@ -212,7 +212,8 @@ def main(argv: list[str]) -> None:
         cli.fail("give either --failures or --failure_rate, not both")
     try:
         experiment.validate(config)
-        groups = int(config.mesh[0]) * int(config.mesh[1])
+        axes = dict(experiment.mesh_axes(config))
+        groups = axes["data"] * axes["redundancy"]
         schedule = liveness.parse_schedule(_FAILURES.value, groups, config.steps)
         failures = liveness.Failures(
             groups,
@@ -223,9 +224,9 @@ def main(argv: list[str]) -> None:
         )
         workdir = _workdir(_WORKDIR.value)  # checked before any work, created once all is valid
         joined = _start_jax()
-        mesh = spare_jax.make_mesh(tuple(config.mesh))
+        mesh = spare_jax.make_mesh(experiment.mesh_axes(config))
         if joined:
-            multihost.groups_of_processes(mesh)  # each process must hold whole groups
+            multihost.group_processes(mesh)  # no process may hold parts of two groups
         run = experiment.setup(config, mesh)
     except (ValueError, RuntimeError) as err:
         cli.fail(str(err))

@@ -16,11 +16,13 @@ Modules. The SPARe core: `strategies` (names and the placement each builds),
 survivors), `incremental` (per-failure load updates). The model of a cluster:
 `scenario`, `analysis` (closed forms, time-to-train, optimiser), `sim`
 (discrete-event simulator). The data plane: `mesh`, `slots` (a step's slot
-table), `train_step` (the step and `make_train_step`). Fault tolerance:
+table), `train_step` (the step and `make_train_step`), `inputs` (what each process
+reads: the global batch or only its own units' rows). Fault tolerance:
 `fitting` (`fit`), `trainer` (the one owner of a run), `liveness` (simulated failures and
 re-joins), `checkpoint` (Orbax at the model's interval), `runlog` (metrics,
 summary, notices), `multihost` (real process failures), `errors` (exit
-statuses), `launch` (the launcher), `testing` (the fault injector). `checks`
+statuses), `launch` (the launcher), `testing` (the fault injector), `jax_internals`
+(the JAX private names used, checked at import). `checks`
 and `cli` hold argument checks and the binaries' command-line plumbing.
 """
 
@@ -37,7 +39,9 @@ def initialize(**overrides: Any) -> bool:
     it reads the coordinator, the process id and count and the timeouts from
     the ``SPARE_JAX_*`` variables and joins with recoverable failures on.
     Keywords (``coordinator_address``, ``num_processes``, ``process_id``,
-    ``heartbeat_s``, ``collective_timeout_s``, ``local_devices``) override them.
+    ``heartbeat_s``, ``collective_timeout_s``, ``local_devices``) override them;
+    one that contradicts a launcher's job (``local_devices=8`` where it gives
+    each worker 2) is refused with a ValueError naming both.
     Returns True when this process joined a multi-process job.
     """
     from spare_jax.multihost import initialize_job

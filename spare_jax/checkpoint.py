@@ -10,7 +10,10 @@ Owns three things:
   expected time-to-train, converted to steps. It is re-derived whenever the
   measurements move (after warm-up, after each save).
 * `Interval`: the interval in force, the one copy of it: Orbax's save
-  decision, fed with the measurements, carried through each checkpoint.
+  decision, fed with the measurements, carried through each checkpoint. It
+  caps the model's optimum with a ceiling (`Interval.ceiling`): the model
+  covers hardware failures only, and a preemption without notice, a killed
+  launcher or a Ctrl-C loses the work since the last save too.
 * `Checkpointer`: an Orbax ``CheckpointManager`` with asynchronous saves of the
   train state plus a JSON record of everything else needed to continue exactly
   (the live set, the failure process's progress, the re-join clock, a
@@ -68,6 +71,13 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# The interval's ceiling (`Interval.ceiling`; sources in docs/checkpointing.md).
+# Mean time between the interruptions the failure model leaves out: Llama 3's
+# pre-training had 47 planned interruptions (maintenance, operators) in 54 days.
+UNMODELLED_MTBI_S = 54 * 24 * 3600 / 47
+RUN_FRACTION = 0.1  # at most a tenth of the run's work between saves
+STALL_SHARE = 0.05  # the ceiling never makes save stalls more than 5% of the time
 
 
 class NoUsableCheckpoint(errors.FitError):
@@ -343,6 +353,10 @@ class Interval:
         model: the analytical model (None: the interval stays ``pinned``).
         pinned: a fixed interval in steps (0: the model decides).
         extra: steps that are always saved (the calibration save after warm-up).
+        steps: the interval in force.
+        source: ``"model"`` (the model's optimum), ``"ceiling"`` (the ceiling was
+            lower; ``figures["ceiling_by"]`` names its bound) or ``"pinned"``.
+        figures: the measurements and results the interval came from.
     """
 
     total: int
@@ -351,7 +365,7 @@ class Interval:
     extra: frozenset[int] = frozenset()
     steps: int = 0
     source: str = "model"
-    figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
     stalls: list[float] = dataclasses.field(default_factory=list)
     saves: list[float] = dataclasses.field(default_factory=list)
     restore_s: float | None = None
@@ -383,12 +397,51 @@ class Interval:
         stall = statistics.median(stalls)
         save = statistics.median(saves) if saves else stall
         restore = self.restore_s if self.restore_s is not None else save
-        steps, self.figures = self.model.interval(
-            statistics.median(step_times), stall, save, restore
+        step_s = statistics.median(step_times)
+        optimum, figures = self.model.interval(step_s, stall, save, restore)
+        longest = max(saves) if saves else save  # the ceiling allows for the slowest save
+        ceiling, ceiling_s, by = self.ceiling(
+            step_s, stall, longest, calibrated=len(self.stalls) > 1
         )
+        steps = min(optimum, ceiling)
+        self.source = "model" if optimum <= ceiling else "ceiling"
+        self.figures = {
+            **figures,
+            "model_steps": optimum,
+            "ceiling_steps": ceiling,
+            "ceiling_s": ceiling_s,
+            "ceiling_by": by,
+        }
         changed = steps != self.steps
         self.steps = steps
         return changed
+
+    def ceiling(
+        self, step_s: float, stall_s: float, save_s: float, *, calibrated: bool = True
+    ) -> tuple[int, float, str]:
+        """The most steps between saves, the work at risk it allows (s), and the bound that set it.
+
+        The work at risk (from the newest complete save to a kill) is the least
+        of ``"unmodelled"`` (Young's interval ``sqrt(2 * stall *
+        UNMODELLED_MTBI_S)`` for the interruptions the model leaves out) and
+        ``"run_fraction"`` (``RUN_FRACTION`` of the run's work), never below
+        ``"save_cost"`` (an interval of ``stall / STALL_SHARE``, and of one
+        save's duration). A save is complete ``save_s`` after it starts, so the
+        interval is the work at risk less one save. ``calibrated`` False (only
+        the first save measured, its stall inflated by Orbax's start-up): the
+        floor is one save's duration alone.
+        """
+        bounds = {
+            "unmodelled": math.sqrt(2.0 * stall_s * UNMODELLED_MTBI_S),
+            "run_fraction": RUN_FRACTION * self.total * step_s,
+        }
+        by = min(bounds, key=bounds.__getitem__)
+        seconds = bounds[by]
+        floor = save_s + max(stall_s / STALL_SHARE if calibrated else 0.0, save_s)
+        if floor > seconds:
+            by, seconds = "save_cost", floor
+        steps = min(max(int((seconds - save_s) // step_s), 1), self.total)
+        return steps, seconds, by
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "source": self.source, "figures": self.figures}
@@ -397,6 +450,7 @@ class Interval:
         """Continue from the interval a checkpoint recorded (unless pinned)."""
         if not self.pinned and self.model is not None and saved.get("steps"):
             self.steps, self.figures = int(saved["steps"]), dict(saved.get("figures", {}))
+            self.source = str(saved.get("source", self.source))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,8 +475,13 @@ class Checkpointer:
         use_async: bool = True,
         writer: bool = True,
         process_local: bool = False,
+        group: tuple[int, set[int]] | None = None,
     ):
         self.directory = os.path.abspath(directory)
+        # (primary, live processes): every one of them writes its own shards of the
+        # global state (groups spanning processes); the primary commits.
+        self.group = (int(group[0]), frozenset(group[1])) if group is not None else None
+        self._epoch = 0
         self.policy = policy
         self.keep = checks.integer("keep", keep, low=1)
         self.use_async = use_async
@@ -442,27 +501,36 @@ class Checkpointer:
         writes the files, and without being told they leave it to process 0.
         """
         me = jax.process_index()
-        multiprocessing = (
-            ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-            if self.process_local
-            else ocp.options.MultiprocessingOptions()
-        )
+        if self.process_local:
+            multiprocessing = ocp.options.MultiprocessingOptions(
+                primary_host=me, active_processes={me}
+            )
+        elif self.group is not None:  # a barrier scope per membership: none waits on the dead
+            primary, active = self.group
+            multiprocessing = ocp.options.MultiprocessingOptions(
+                primary_host=primary,
+                active_processes=set(active),
+                barrier_sync_key_prefix=f"spare-m{self._epoch}",
+            )
+        else:
+            multiprocessing = ocp.options.MultiprocessingOptions()
+        local_dirs = self.process_local or self.group is not None
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=self.policy,
             preservation_policy=KeepIntact(self.directory, self.keep),
             enable_async_checkpointing=self.use_async,
-            cleanup_tmp_directories=writer,
+            cleanup_tmp_directories=writer and self.moves_files(writer),
             read_only=not writer,
             multiprocessing_options=multiprocessing,
-            create=not self.process_local,  # Orbax leaves the directory to us then
+            create=not local_dirs,  # Orbax leaves the directory to us then
             # Asynchronous directory creation signals through keys in the job's
             # key-value store, numbered per process: a new writer would find the
             # keys of the dead one and wait on signals nobody sends.
             async_options=ocp.options.AsyncOptions(
-                create_directories_asynchronously=not self.process_local
+                create_directories_asynchronously=not local_dirs
             ),
         )
-        if self.process_local and writer:
+        if local_dirs and writer:
             os.makedirs(self.directory, exist_ok=True)
         self.writer = writer
         self._multiprocessing = multiprocessing
@@ -476,6 +544,17 @@ class Checkpointer:
             "meta": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
         }
         return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def moves_files(self, writer: bool | None = None) -> bool:
+        """Whether this process cleans up and sets damaged checkpoints aside (one process does)."""
+        writer = self.writer if writer is None else writer
+        return writer and (self.group is None or self.group[0] == jax.process_index())
+
+    def regroup(self, primary: int, active: set[int]) -> None:
+        """The live processes changed: save with these from now on (a new barrier scope)."""
+        self._manager.close()
+        self.group, self._epoch = (int(primary), frozenset(active)), self._epoch + 1
+        self._manager = self._open(True)
 
     def become_writer(self) -> None:
         """Take over saving (the previous writer's process died)."""
@@ -609,7 +688,7 @@ class Checkpointer:
 
     def _quarantine(self, step: int, error: BaseException) -> None:
         reason = " ".join(str(error).split())[:200]
-        if not self.writer:  # only the writer moves files (and says so); the others skip it
+        if not self.moves_files():  # only the writer moves files (and says so); the others skip
             log.info("skipping checkpoint %d: %s: %s", step, type(error).__name__, reason)
             return
         source = os.path.join(self.directory, str(step))

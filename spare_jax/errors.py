@@ -11,8 +11,12 @@ message on one line and exits with its status (no traceback).
     4   the loss became non-finite (the state before that step is saved)
     5   a checkpoint could not be written (a full disk, a failing file system);
         the newest intact checkpoint is kept
+    6   the batch differs across processes: the holders of a micro-batch got
+        different rows (checked before the step, so nothing wrong is saved)
     75  an interruption after a real process loss: the launcher starts a
         fresh job, which rolls back to the latest checkpoint
+    77  this process's group lost another of its processes (a group spanning
+        processes): it leaves, and the job goes on without the group
     143 preempted (SIGTERM): the state at the step reached is saved; rerun the
         same command to resume from it
 """
@@ -21,12 +25,16 @@ from __future__ import annotations
 
 __all__ = [
     "EXIT_BAD_INPUT",
+    "EXIT_BATCH_MISMATCH",
+    "EXIT_GROUP_LOST",
     "EXIT_NON_FINITE",
     "EXIT_PREEMPTED",
     "EXIT_RELAUNCH",
     "EXIT_ROLLBACKS",
     "EXIT_STORAGE",
+    "BatchMismatch",
     "FitError",
+    "GroupLost",
     "NonFiniteLoss",
     "Preempted",
     "Relaunch",
@@ -38,8 +46,10 @@ EXIT_BAD_INPUT = 2
 EXIT_ROLLBACKS = 3
 EXIT_NON_FINITE = 4
 EXIT_STORAGE = 5
+EXIT_BATCH_MISMATCH = 6
 EXIT_RELAUNCH = 75  # EX_TEMPFAIL: try again (a fresh job rolls back)
 EXIT_PREEMPTED = 128 + 15  # what a scheduler expects of a job it sent SIGTERM
+EXIT_GROUP_LOST = 77  # not a verdict on the run: the job masks the group and goes on
 
 
 class FitError(RuntimeError):
@@ -70,6 +80,18 @@ class Relaunch(FitError):
     """An interruption after a real process loss: only a fresh job can roll back."""
 
     exit_status = EXIT_RELAUNCH
+
+
+class GroupLost(FitError):
+    """Another process of this process's group died: the group is masked, this process leaves."""
+
+    exit_status = EXIT_GROUP_LOST
+
+
+class BatchMismatch(FitError):
+    """The holders of a micro-batch hold different rows: ``batches(t)`` differs across processes."""
+
+    exit_status = EXIT_BATCH_MISMATCH
 
 
 class StorageError(FitError):

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 from absl import logging as absl_logging
 
-from spare_jax import checks, liveness, testing
+from spare_jax import checks, inputs, liveness, testing
 from spare_jax import train_step as step_lib
 from spare_jax.trainer import Trainer
 
@@ -42,12 +42,16 @@ class FitResult:
     Attributes:
         params: the final parameters, a pytree of host NumPy arrays (on every
             surviving process of a multi-process job).
-        summary: the dict written to ``WORKDIR/summary.json``.
+        summary: the dict written to ``WORKDIR/summary.json`` (by the writer; its
+            ``input_rows`` are the writer's own).
+        input_rows: the rows this process read from ``batches`` over the run
+            (reloads after a rollback or a recovery included).
     """
 
     params: Any
     summary: dict[str, Any]
     writer: bool = True  # whether this process wrote the run's books (one process does)
+    input_rows: int = 0
 
 
 def _failures(
@@ -116,6 +120,14 @@ def _workdir(path: str) -> str:
     return path
 
 
+def _check_first_batch(step: step_lib.SpareStep, batches: Callable[..., Any]) -> int:
+    """Step 0's input has the shape the step needs (ValueError naming it); the rows read.
+
+    Runs before any file is created or opened (the workdir may hold a run to resume).
+    """
+    return inputs.load(step, batches, 0)[1]
+
+
 def _quiet_orbax() -> None:
     """Keep Orbax's per-save INFO lines out of the run's log (its warnings stay)."""
     handler = absl_logging.get_absl_handler()
@@ -131,7 +143,7 @@ class _NoOrbaxInfo(logging.Filter):
 def fit(
     step: step_lib.SpareStep,
     params: Any,
-    batches: Callable[[int], Any],
+    batches: Callable[..., Any],
     *,
     steps: int,
     workdir: str,
@@ -152,8 +164,11 @@ def fit(
     Args:
         step: from `spare_jax.make_train_step`, over the whole job's mesh.
         params: the initial parameters (any pytree of NumPy or JAX arrays).
-        batches: ``batches(t)`` -> the failure-free global batch of step ``t``
-            (``G * m * b`` rows), a pure function of ``t``.
+        batches: the input, a pure function of the step (`spare_jax.inputs`):
+            ``batches(t)`` -> the failure-free global batch of step ``t`` (``G * m * b``
+            rows, the same on every process), or ``batches(t, units)`` -> only the
+            rows of the units this process holds (leaves ``[len(units.ids),
+            rows, ...]``: each unit's ``units.rows(b)``), as a per-host loader reads them.
         steps: training steps.
         workdir: ``metrics.jsonl`` (appended), ``summary.json``, ``checkpoints/``.
         failures: simulated group failures for tests and demos: ``"STEP:GROUP,..."``,
@@ -195,6 +210,11 @@ def fit(
         else checks.integer("checkpoint_steps", checkpoint_steps, low=1)
     )
     schedule = _failures(failures, step.groups, steps, failure_rate, repair_steps, seed)
+    keep = checks.integer("keep", keep, low=1)
+    warmup_steps = checks.integer("warmup_steps", warmup_steps, low=1)
+    max_rollbacks = checks.integer("max_rollbacks", max_rollbacks, low=0)
+    gpu_mtbf_hours = checks.number("gpu_mtbf_hours", gpu_mtbf_hours, low=0.0, low_open=True)
+    first_rows = _check_first_batch(step, batches)  # every argument checked: now the files
     trainer = Trainer(
         step,
         params,
@@ -203,20 +223,21 @@ def fit(
         steps=steps,
         failures=schedule,
         checkpoint_steps=pinned,
-        keep=checks.integer("keep", keep, low=1),
-        warmup_steps=checks.integer("warmup_steps", warmup_steps, low=1),
-        max_rollbacks=checks.integer("max_rollbacks", max_rollbacks, low=0),
-        gpu_mtbf_hours=checks.number("gpu_mtbf_hours", gpu_mtbf_hours, low=0.0, low_open=True),
+        keep=keep,
+        warmup_steps=warmup_steps,
+        max_rollbacks=max_rollbacks,
+        gpu_mtbf_hours=gpu_mtbf_hours,
         precompile_failures=bool(precompile_failures),
         on_step=on_step,
         fault_hook=testing.fault_hook_from_env(),
     )
+    trainer.input_rows += first_rows
     with _preemption_notice() as notice:
         trainer.preemption = notice
         try:
             trainer.start()
             trainer.loop()
             summary = trainer.finish()
-            return FitResult(trainer.params(), summary, trainer.log.writer)
+            return FitResult(trainer.params(), summary, trainer.log.writer, trainer.input_rows)
         finally:
             trainer.close()

@@ -2,10 +2,17 @@
 
 This module owns three things and nothing else:
 
-1. The mesh. Axes are ``("data", "redundancy", "model")``. A **group** (one
-   model replica, the unit of failure) is one ``(data, redundancy)`` coordinate
-   and spans every device along ``model``: with mesh shape ``(D, R, M)`` there are
-   ``G = D * R`` groups of ``M`` devices each.
+1. The mesh. Its first two axes, ``data`` and ``redundancy``, are the **group
+   axes**, reserved: a **group** (one model replica, the unit of failure) is one
+   ``(data, redundancy)`` coordinate. Every axis after them is **inner**: it lies
+   inside a group, and its name is the user's (``model``, ``fsdp``, ``tensor``,
+   ``sequence``, ...). This is HSDP: data parallelism across groups, any layout
+   inside one. With sizes ``(D, R, *inner)`` there are ``G = D * R`` groups of
+   ``prod(inner)`` devices each. Devices are laid out in (slice, process, id)
+   order, so a group owns a contiguous run of them: in a multi-process job a
+   group is one host's devices, several hosts' (a group spanning processes), or
+   a process holds several whole groups (the hybrid layout, ICI inside a group
+   and DCN across groups on TPU slices).
 2. The group numbering. Group id ``g = data_index * R + redundancy_index``. This is
    exactly the row-major order in which ``PartitionSpec(("data", "redundancy"))``
    splits a leading axis of length ``G``, so an array ``[G, ...]`` with that spec
@@ -21,15 +28,14 @@ This module owns three things and nothing else:
    redundancy coordinates when ``r`` divides ``R``), every member holding the set's
    one shard; plain data parallelism is ``r = 1``.
 
-Logical axis names used by the model and the data are turned into mesh
-``PartitionSpec`` s by the small `RULES` table: parameters and optimizer state are
-replicated over data/redundancy and sharded over ``model`` on their MLP-hidden
-and attention-head dimensions; per-group inputs are split over the groups.
+Logical axis names used by the demo LM are turned into mesh ``PartitionSpec`` s by
+the small `RULES` table (MLP-hidden and attention-head dimensions over ``model``);
+a user's own model names mesh axes in its ``PartitionSpec`` s directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -39,16 +45,20 @@ __all__ = [
     "AXES",
     "GROUP_AXES",
     "RULES",
+    "devices_per_group",
     "group_coords",
+    "group_devices",
     "group_sharding",
+    "inner_axes",
     "logical_spec",
     "make_mesh",
     "num_groups",
+    "parse_axes",
     "replicated",
     "ring_size",
 ]
 
-AXES: tuple[str, str, str] = ("data", "redundancy", "model")
+AXES: tuple[str, str, str] = ("data", "redundancy", "model")  # the three-number form's names
 GROUP_AXES: tuple[str, str] = ("data", "redundancy")
 
 # Logical name -> mesh axis (None: replicated).
@@ -62,37 +72,100 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
 }
 
+MeshShape = Sequence[int] | Mapping[str, int] | Sequence[tuple[str, int]] | str
 
-def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``(data, redundancy, model)`` mesh with automatic sharding propagation.
+
+def parse_axes(shape: MeshShape) -> tuple[tuple[str, int], ...]:
+    """``((name, size), ...)`` with the group axes first, from any accepted mesh shape.
+
+    Accepted: three sizes ``(data, redundancy, model)``; a mapping or pairs of
+    axis names to sizes; or text ``"data:1,redundancy:4,fsdp:2"``. The group
+    axes may be left out (size 1); inner axes keep the order given.
+
+    Raises:
+        ValueError: a malformed shape, a repeated axis, a size below 1.
+    """
+    if isinstance(shape, str):
+        pairs = []
+        for item in (x.strip() for x in shape.split(",") if x.strip()):
+            name, sep, size = item.partition(":")
+            if not sep or not name.strip() or not size.strip().lstrip("-").isdigit():
+                raise ValueError(
+                    f"mesh {shape!r}: each axis is NAME:SIZE, e.g. data:1,redundancy:4,fsdp:2"
+                )
+            pairs.append((name.strip(), int(size)))
+    elif isinstance(shape, Mapping):
+        pairs = [(str(k), v) for k, v in shape.items()]
+    else:
+        items = list(shape)
+        if items and all(isinstance(x, tuple | list) and len(x) == 2 for x in items):
+            pairs = [(str(k), v) for k, v in items]
+        elif len(items) == 3 and all(np.ndim(x) == 0 for x in items):
+            pairs = list(zip(AXES, items, strict=True))
+        else:
+            raise ValueError(
+                "mesh shape must be three positive sizes (data, redundancy, model) or "
+                f"named axes such as data:1,redundancy:4,fsdp:2; got {shape!r}"
+            )
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh shape names an axis twice: {names}")
+    for name, size in pairs:
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+    sizes = dict(pairs)
+    inner = tuple((n, int(s)) for n, s in pairs if n not in GROUP_AXES)
+    group = tuple((n, int(sizes.get(n, 1))) for n in GROUP_AXES)
+    return group + (inner or (("model", 1),))
+
+
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh of the two group axes and any inner axes, with automatic sharding propagation.
 
     Args:
-        shape: ``(data, redundancy, model)`` sizes; their product must not exceed the
-            number of devices (the first ``prod(shape)`` devices are used).
+        shape: ``(data, redundancy, model)`` sizes, or named axes (`parse_axes`):
+            ``{"data": 1, "redundancy": 4, "fsdp": 2}`` or ``"data:1,redundancy:4,fsdp:2"``.
+            The product of the sizes must not exceed the number of devices (the
+            first ``prod(sizes)`` devices in (slice, process, id) order are used).
         devices: devices to use; default ``jax.devices()``.
 
     Returns:
-        The mesh.
+        The mesh; its axes are ``("data", "redundancy", *inner)``.
 
     Raises:
         ValueError: on a malformed shape or too few devices.
     """
-    dims = tuple(int(s) for s in shape)
-    if len(dims) != 3 or min(dims) < 1:
-        raise ValueError(
-            f"mesh shape must be three positive sizes (data, redundancy, model), got {shape!r}"
-        )
+    axes = parse_axes(shape)
+    names = tuple(n for n, _ in axes)
+    dims = tuple(s for _, s in axes)
     devs = list(jax.devices() if devices is None else devices)
     need = int(np.prod(dims))
     if need > len(devs):
         raise ValueError(
-            f"mesh {dims} needs {need} devices but only {len(devs)} are available "
+            f"mesh {dict(axes)} needs {need} devices but only {len(devs)} are available "
             '(on CPU, jax.config.update("jax_num_cpu_devices", N) before JAX starts)'
         )
-    # (process, id) order: group g owns devices g*M .. (g+1)*M - 1, so in a
-    # multi-process job a process with a multiple of M devices holds whole groups.
-    devs = sorted(devs, key=lambda d: (d.process_index, d.id))[:need]
-    return Mesh(np.array(devs).reshape(dims), AXES, axis_types=(AxisType.Auto,) * 3)
+    # Group g owns devices g*M .. (g+1)*M - 1 of this order (M = prod(inner)): a
+    # group is one host's devices, or spans consecutive hosts, never interleaved.
+    order = lambda d: (getattr(d, "slice_index", 0) or 0, d.process_index, d.id)
+    devs = sorted(devs, key=order)[:need]
+    return Mesh(np.array(devs).reshape(dims), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def inner_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes inside a group (every axis but ``data`` and ``redundancy``)."""
+    return tuple(a for a in mesh.axis_names if a not in GROUP_AXES)
+
+
+def devices_per_group(mesh: Mesh) -> int:
+    """Devices of one group: the product of the inner axes' sizes."""
+    return int(np.prod([mesh.shape[a] for a in inner_axes(mesh)], dtype=np.int64))
+
+
+def group_devices(mesh: Mesh) -> dict[int, list[jax.Device]]:
+    """Each group's devices, in mesh order."""
+    flat = np.asarray(mesh.devices).reshape(num_groups(mesh), -1)
+    return {g: list(row) for g, row in enumerate(flat)}
 
 
 def num_groups(mesh: Mesh) -> int:

@@ -13,10 +13,13 @@ with JAX's own machinery (``jax.distributed`` and its coordination service):
   backend starts (GPU collectives are cancelled by the runtime). The service
   can live outside the workers (`serve`, used by ``python -m spare_jax.launch``),
   so that any worker, process 0 included, may die.
-* **Layout** (`global_mesh`, `groups_of_processes`). Groups map whole onto
-  processes: a process's devices hold one or more complete groups, so a dead
-  process takes whole groups with it and every survivor still holds a full
-  replica of the (group-replicated) train state.
+* **Layout** (`global_mesh`, `group_processes`). A group is a contiguous run
+  of devices: one host's, several hosts' (a group spanning processes, HSDP
+  across hosts), or one of several whole groups on a host. A dead process
+  takes every group it has a device in; the other processes of such a group
+  leave the job (`EXIT_GROUP_LOST`). A process holding whole groups keeps a
+  full replica of the (group-replicated) train state; one inside a spanning
+  group holds its shards of one.
 * **Recovery pieces** (`survivors_mesh`, `reshard`). `spare_jax.trainer.Trainer`
   runs each step inside ``multihost_utils.live_devices``; a membership
   change raises ``ProcessFailureError`` on every survivor at once. The
@@ -33,10 +36,11 @@ with JAX's own machinery (``jax.distributed`` and its coordination service):
   (`ENV`); a worker declared dead that wakes up (a stall past the heartbeat)
   leaves with one line and `EXIT_DECLARED_DEAD` instead of a fatal error.
 
-The service and client-only start-up use JAX internals (``jax._src.distributed``,
-``jaxlib._jax``) that the public API does not expose yet; they are confined to
-`serve` and `_connect`. A killed process cannot re-join the same job on CPU
-(gloo's rendezvous keys carry no incarnation); re-join happens at a relaunch.
+The service, client-only start-up and the started-backend check use JAX
+internals that the public API does not expose yet; they live in
+`spare_jax.jax_internals`, which checks them at import. A killed process
+cannot re-join the same job on CPU (gloo's rendezvous keys carry no
+incarnation); re-join happens at a relaunch.
 """
 
 from __future__ import annotations
@@ -55,16 +59,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from spare_jax import checks, errors, runlog
+from spare_jax import checks, errors, jax_internals, runlog
 from spare_jax import mesh as mesh_lib
 
 __all__ = [
     "ENV",
     "EXIT_DECLARED_DEAD",
+    "EXIT_GROUP_LOST",
     "collective_timeout_flag",
     "from_local",
     "global_mesh",
-    "groups_of_processes",
+    "group_processes",
+    "groups_touching",
     "host_copy",
     "initialize",
     "initialize_job",
@@ -92,6 +98,7 @@ ENV = {
     "started_at": "SPARE_JAX_STARTED_AT",  # wall time the launcher started this process
 }
 EXIT_DECLARED_DEAD = 76  # a worker the job declared dead (a stall past the heartbeat) woke up
+EXIT_GROUP_LOST = errors.EXIT_GROUP_LOST  # a worker whose group lost another process leaves
 DEFAULT_HEARTBEAT_S = 10
 DEFAULT_COLLECTIVE_TIMEOUT_S = 10
 
@@ -106,14 +113,11 @@ def serve(port: int, processes: int, heartbeat_s: int, shutdown_s: int = 5) -> A
 
     Returns the service object; call its ``shutdown()`` at the end.
     """
-    from jaxlib import _jax
-
-    return _jax.get_distributed_runtime_service(
+    return jax_internals.start_service(
         f"[::]:{checks.integer('port', port, low=1, high=65535)}",
         checks.integer("processes", processes, low=1),
-        heartbeat_timeout=checks.integer("heartbeat_s", heartbeat_s, low=1),
-        shutdown_timeout=shutdown_s,
-        recoverable=True,
+        heartbeat_s=checks.integer("heartbeat_s", heartbeat_s, low=1),
+        shutdown_s=shutdown_s,
     )
 
 
@@ -129,29 +133,15 @@ def _declared_dead(*_: Any) -> None:
 
 def _connect(address: str, processes: int, process_id: int, heartbeat_s: int) -> None:
     """``jax.distributed.initialize`` as a client only: the service runs elsewhere (`serve`)."""
-    from jax._src import distributed
-    from jaxlib import _jax
-
-    state = distributed.global_state
-    if state.client is not None:
-        raise RuntimeError("jax.distributed is already initialised")
-    state.coordinator_address, state.process_id, state.num_processes = (
+    jax_internals.connect_client(
         address,
-        process_id,
         processes,
-    )
-    state.client = _jax.get_distributed_runtime_client(
-        address,
         process_id,
-        init_timeout=120,
-        shutdown_timeout=5,
-        heartbeat_timeout=heartbeat_s,
-        missed_heartbeat_callback=_declared_dead,
-        use_compression=True,
+        heartbeat_s=heartbeat_s,
+        on_declared_dead=_declared_dead,
+        init_timeout_s=120,
+        shutdown_timeout_s=5,
     )
-    state.client.connect()
-    state.initialize_preemption_sync_manager()
-    state.partition_index = None
 
 
 def initialize(
@@ -224,12 +214,23 @@ def initialize_job(
         RuntimeError: JAX has already started a backend.
         ValueError: inconsistent settings (named).
     """
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if jax_internals.backends_started():
         raise RuntimeError(
             "spare_jax.initialize() must run before any JAX computation or device query"
         )
+    given = {  # a keyword that contradicts the launcher's variable would split the job
+        "coordinator": ("coordinator_address", coordinator_address),
+        "num_processes": ("num_processes", num_processes),
+        "process_id": ("process_id", process_id),
+        "devices": ("local_devices", local_devices),
+    }
+    for key, (name, value) in given.items():
+        theirs = os.environ.get(ENV[key]) or None
+        if value is not None and theirs is not None and str(value) != theirs:
+            raise ValueError(
+                f"spare_jax.initialize({name}={value!r}) contradicts the launcher's "
+                f"{ENV[key]}={theirs}: leave {name} out under python -m spare_jax.launch"
+            )
     address = coordinator_address or os.environ.get(ENV["coordinator"]) or None
     count = num_processes if num_processes is not None else _env_int("num_processes")
     index = process_id if process_id is not None else _env_int("process_id")
@@ -314,43 +315,74 @@ def _install_exit_handlers(*, joined: bool) -> None:
     atexit.register(bounded_exit)  # runs before JAX's own (registered earlier)
 
 
-def global_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``(data, redundancy, model)`` mesh with devices in (process, id) order.
+def global_mesh(shape: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over every device of the job (`spare_jax.mesh.make_mesh`'s order and shapes)."""
+    devs = list(jax.devices() if devices is None else devices)
+    mesh = mesh_lib.make_mesh(shape, devs)
+    if mesh.devices.size != len(devs):
+        raise ValueError(f"mesh {dict(mesh.shape)} must use all {len(devs)} devices of the job")
+    return mesh
 
-    Group ``g`` then owns devices ``g*M .. (g+1)*M - 1`` of that order, so when
-    each process has a multiple of ``M`` devices, its groups are whole.
+
+def group_processes(mesh: Mesh) -> np.ndarray:
+    """int[G, M]: the process of each of every group's ``M`` devices.
+
+    A group may span processes (its devices on several hosts) and a process
+    may hold several whole groups; a process holding parts of two groups is
+    refused (ValueError): its loss would take two groups for one host.
     """
-    dims = tuple(int(s) for s in shape)
-    devs = sorted(
-        jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id)
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices).reshape(
+        mesh_lib.num_groups(mesh), -1
     )
-    if len(dims) != 3 or int(np.prod(dims)) != len(devs):
-        raise ValueError(f"mesh {dims} must use all {len(devs)} devices of the job")
-    return Mesh(np.array(devs).reshape(dims), mesh_lib.AXES)
+    for p in np.unique(procs):
+        held = np.flatnonzero((procs == p).any(axis=1))
+        whole = (procs[held] == p).all(axis=1)
+        if held.size > 1 and not whole.all():
+            raise ValueError(
+                f"process {int(p)} holds part of the devices of groups {held.tolist()}: a "
+                "process's devices must hold whole groups or lie inside one group (devices "
+                "per process a divisor or a multiple of the devices per group)"
+            )
+    return procs
 
 
-def groups_of_processes(mesh: Mesh) -> np.ndarray:
-    """int[G]: the process holding each group (ValueError if a group spans two processes)."""
-    groups = mesh_lib.num_groups(mesh)
-    procs = np.vectorize(lambda d: d.process_index)(mesh.devices).reshape(groups, -1)
-    if np.any(procs != procs[:, :1]):
-        bad = int(np.flatnonzero(np.any(procs != procs[:, :1], axis=1))[0])
-        raise ValueError(
-            f"group {bad} spans processes {sorted(set(procs[bad].tolist()))}: each process "
-            "must hold whole groups (devices per process a multiple of the model axis)"
-        )
-    return procs[:, 0]
+def groups_touching(procs: np.ndarray, processes: Any) -> np.ndarray:
+    """The groups with a device on any of ``processes`` (a lost process loses all of them)."""
+    return np.flatnonzero(np.isin(procs, list(processes)).any(axis=1))
 
 
 def group_devices(mesh: Mesh) -> dict[int, list[jax.Device]]:
-    flat = mesh.devices.reshape(mesh_lib.num_groups(mesh), -1)
-    return {g: list(row) for g, row in enumerate(flat)}
+    return mesh_lib.group_devices(mesh)
 
 
-def survivors_mesh(devices: dict[int, list[jax.Device]], live: Sequence[int]) -> Mesh:
-    """A ``(1, len(live), M)`` mesh over the devices of the live groups, in group order."""
-    rows = [devices[g] for g in sorted(live)]
-    return Mesh(np.array(rows)[None], mesh_lib.AXES)
+def agree(mesh: Mesh, flag: bool) -> jax.Array:
+    """Whether any process of ``mesh`` says ``flag`` (every one of them calls this): a scalar.
+
+    One tiny collective over the mesh's devices: each device carries its
+    process's flag, the program takes the maximum. Processes that decide on
+    their own (a checkpoint interval fed by their own timings) agree this way.
+    """
+    flat = NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+    votes = jax.make_array_from_callback(
+        (mesh.devices.size,), flat, lambda index: np.full(1, int(flag), np.int32)
+    )
+    return _max_vote(votes)
+
+
+@jax.jit
+def _max_vote(votes: jax.Array) -> jax.Array:
+    return votes.max()
+
+
+def survivors_mesh(devices: dict[int, list[jax.Device]], live: Sequence[int], like: Mesh) -> Mesh:
+    """A ``(1, len(live), *inner)`` mesh over the live groups' devices, in group order.
+
+    The inner axes (names and sizes) are ``like``'s: every group keeps its layout.
+    """
+    inner = mesh_lib.inner_axes(like)
+    shape = (1, len(live), *(like.shape[a] for a in inner))
+    rows = np.array([devices[g] for g in sorted(live)]).reshape(shape)
+    return Mesh(rows, (*mesh_lib.GROUP_AXES, *inner))
 
 
 def _rewrap(x: jax.Array, sharding: NamedSharding) -> jax.Array:

@@ -1,6 +1,6 @@
 """Hot re-join: a replacement for a dead process joins the running job (CPU and GPU).
 
-What JAX 0.10 offers and what it does not (docs/multihost.md, "Re-join"):
+What JAX (0.10 to 0.12) offers and what it does not (docs/multihost.md, "Re-join"):
 
 * A replacement that connects with the dead process's id gets a new
   incarnation from the coordination service, and the survivors'
@@ -12,7 +12,7 @@ What JAX 0.10 offers and what it does not (docs/multihost.md, "Re-join"):
   process caches its communicators by those ids: a clique that ran before
   the death can never include the replacement (``ALREADY_EXISTS`` on its
   side, closed pairs or a hang on the survivors'). Route taken here: every
-  survivor resets its backend (`jax.extend.backend.clear_backends`), the
+  survivor resets its backend (``jax.extend.backend.clear_backends``), the
   stale rendezvous keys are deleted between two barriers, and everyone
   builds its devices afresh. The cost is a recompilation on every process
   (a persistent compilation cache makes it a cache hit) and a host round
@@ -20,9 +20,10 @@ What JAX 0.10 offers and what it does not (docs/multihost.md, "Re-join"):
 * The state is moved through the same key-value store, from the writer's
   host replica: a peer's copy, so nothing is lost and no step is repeated.
 
-These rely on names inside XLA (``cpu:gloo/``, ``cpu:global_topology/cpu``)
-and on ``live_devices``'s cache of the last live set; `tests/test_rejoin.py`
-holds them on every JAX upgrade.
+These rely on names inside XLA (``cpu:gloo/``, ``cpu:global_topology/cpu``),
+on ``live_devices``'s cache of the last live set and on the job's client, all
+reached through `spare_jax.jax_internals` (checked at import);
+`tests/test_rejoin.py` holds the key names on every tested JAX.
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental.multihost_utils import live_devices
-from jax.extend import backend as jax_backend
 
-from spare_jax import multihost
+from spare_jax import jax_internals, multihost
 
 __all__ = [
     "Epoch",
@@ -58,8 +57,6 @@ __all__ = [
     "unpack",
 ]
 
-_GLOO_KEYS = "cpu:gloo/"  # the CPU collectives' rendezvous keys, named by device ids only
-_TOPOLOGY_KEY = "cpu:global_topology/cpu"  # process 0 sets it whenever its backend starts
 _BARRIER_MS = 120_000
 
 
@@ -77,9 +74,7 @@ def started_at() -> float:
 
 
 def _client() -> Any:
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = jax_internals.client()
     if client is None:
         raise RuntimeError("hot re-join needs a multi-process job (spare_jax.initialize)")
     return client
@@ -93,7 +88,7 @@ def prepare_backend(process_id: int) -> None:
     old key is there.
     """
     if process_id == 0:
-        _client().key_value_delete(_TOPOLOGY_KEY)
+        _client().key_value_delete(jax_internals.TOPOLOGY_KEY)
 
 
 class Epoch:
@@ -124,7 +119,7 @@ class Epoch:
 
 def live_incarnations() -> dict[int, str]:
     """process -> incarnation of the live set `live_devices` holds now."""
-    cached = getattr(live_devices, "devices", None) or {}
+    cached = jax_internals.live_devices_cache()
     return {int(d.process_index): str(i) for d, i in cached.items()}
 
 
@@ -140,15 +135,15 @@ def reset_backend(epoch: Epoch, *, fresh: bool) -> None:
     client = _client()
     me = jax.process_index()
     if not fresh:
-        jax_backend.clear_backends()
+        jax_internals.clear_backends()
     procs = epoch.processes
     client.wait_at_barrier(epoch.key("a"), _BARRIER_MS, process_ids=procs)
     if me == min(procs):
-        client.key_value_delete(_GLOO_KEYS)
+        client.key_value_delete(jax_internals.GLOO_KEYS)
     if me == 0 and not fresh:
-        client.key_value_delete(_TOPOLOGY_KEY)
+        client.key_value_delete(jax_internals.TOPOLOGY_KEY)
     client.wait_at_barrier(epoch.key("b"), _BARRIER_MS, process_ids=procs)
-    live_devices.devices = None  # its cache holds the old backend's devices
+    jax_internals.forget_live_devices()  # its cache holds the old backend's devices
     jax.devices()  # the new backend, on every process at once
 
 

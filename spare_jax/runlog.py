@@ -17,7 +17,9 @@ and ``relaunch`` (``to_step``, ``lost_steps``, ``relaunch_s``).
 Two kinds of line leave a worker for its launcher: `notice` (stderr, for
 the person running the job: a fall-back past a damaged checkpoint, a process
 declared dead) and `emit` (stdout, one JSON object the launcher acts on:
-``hello``, ``dead``, ``progress``, ``resumed``, ``kill_point``).
+``hello``, ``dead``, ``progress``, ``resumed``, ``kill_point``, and ``at``: where
+the worker is, set by `at` and sent by a reporter thread, which the launcher
+uses to evict a worker that stopped while its peers wait for it).
 
 Files are opened without following symbolic links, so a record is never
 written outside the work directory, and ``summary.json`` is replaced
@@ -32,18 +34,23 @@ resume, recovered and relaunch events give the stalls and the recovery time.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import json
 import math
 import os
+import signal
+import socket
 import sys
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
 from spare_jax import errors
 
-__all__ = ["EVENT", "NOTICE", "RunLog", "emit", "goodput", "notice", "read_records"]
+__all__ = ["EVENT", "NOTICE", "RunLog", "at", "emit", "goodput", "notice", "read_records"]
 
 _HELD = 64  # step records a non-writer keeps, to fill in after a dead writer
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
@@ -237,8 +244,80 @@ def notice(message: str) -> None:
     sys.stderr.flush()
 
 
+_EMIT_LOCK = threading.Lock()
+
+
 def emit(kind: str, **fields: Any) -> None:
     """Tell the launcher (when there is one) something it acts on: one JSON line on stdout."""
     if os.environ.get("SPARE_JAX_LAUNCH_DIR"):
-        sys.stdout.write(f"{EVENT}{json.dumps({'kind': kind, **fields})}\n")
-        sys.stdout.flush()
+        line = f"{EVENT}{json.dumps({'kind': kind, **fields})}\n"
+        with _EMIT_LOCK:  # the position reporter writes from its own thread
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+# Where a worker is, for the launcher's watch on hung workers (`spare_jax.launch_watch`).
+# Within step t: building its batch, running it with the peers, agreeing on the live set
+# after a failed collective. The busy phases are progress: a worker in one is never evicted.
+STEP_PHASES = ("data", "step", "sync")
+BUSY_PHASES = ("checkpoint", "restore", "compile", "join", "finish")
+_REPORT_S = 0.5  # how often the reporter looks at the position
+
+
+class _Position:
+    """The position the main thread last set and the one the launcher last heard of."""
+
+    def __init__(self) -> None:
+        self.now: tuple[int, str] | None = None
+        self.step_s = 0.0
+        self.sent: tuple[int, str] | None = None
+        self.thread: threading.Thread | None = None
+
+
+_POSITION = _Position()
+
+
+def at(step: int, phase: str, *, step_s: float | None = None) -> None:
+    """Say where this worker is: step ``step``, ``phase`` (`STEP_PHASES` or `BUSY_PHASES`).
+
+    Cheap (no I/O) for the step phases: a reporter thread sends a change
+    within half a second, so a worker that stops anywhere is seen where it
+    stopped, even when its main thread never returns. A busy phase is sent at
+    once, before the long work starts. ``step_s``: the typical step time so far.
+    """
+    if not os.environ.get("SPARE_JAX_LAUNCH_DIR"):
+        return
+    if step_s is not None:
+        _POSITION.step_s = step_s
+    _POSITION.now = (int(step), phase)
+    if phase in BUSY_PHASES:
+        _send()
+    if _POSITION.thread is None:
+        _POSITION.thread = threading.Thread(target=_report, name="spare-jax-position", daemon=True)
+        _POSITION.thread.start()
+        atexit.register(_send)  # a worker that fails says where, however soon after a change
+
+
+def _send() -> None:
+    now = _POSITION.now
+    if now is None or now == _POSITION.sent:
+        return
+    _POSITION.sent = now
+    emit("at", step=now[0], phase=now[1], step_s=round(_POSITION.step_s, 6))
+
+
+def evict_marker(launch_dir: str, host: str, pid: int) -> str:
+    """The file by which a launcher on another node evicts a worker (SLURM: no pid to kill)."""
+    return os.path.join(launch_dir, f"evict-{host}-{pid}")
+
+
+def _report() -> None:
+    """The reporter thread: send the position whenever it changed; leave when evicted."""
+    marker = evict_marker(
+        os.environ.get("SPARE_JAX_LAUNCH_DIR", ""), socket.gethostname(), os.getpid()
+    )
+    while True:
+        time.sleep(_REPORT_S)
+        _send()
+        if os.path.exists(marker):  # the launcher evicted us and cannot reach our pid
+            os.kill(os.getpid(), signal.SIGKILL)

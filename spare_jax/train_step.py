@@ -9,18 +9,24 @@ have ``G * m * b`` rows; micro-batch ``(g, j)`` is rows ``[(g*m + j) b, (g*m +
 j + 1) b)``) and a live mask. `SpareStep` lays the batch out as stacks (each
 group gets its ``r`` shards, `spare_jax.slots.unit_ids`), and turns the live
 mask into a `Slots` table (`slots.for_live_set`, cached per live set). The
-batch never changes with the live set; who computes what does.
+batch never changes with the live set; who computes what does. (A process may
+instead read only its own groups' units: `spare_jax.inputs`.)
 
 **The step.** Inside a ``jax.shard_map`` that is manual over the group axes
-``("data", "redundancy")`` and automatic over ``"model"`` (XLA partitions each
-group's computation from the parameters' shardings), every group walks
-``n_slots`` slots. Slot ``l`` of group ``g`` computes the gradient of local
-micro-batch ``index[g, l]`` and adds ``weight[g, l]`` times it. The loop runs the
-same count on every group: a per-device ``lax.cond`` that skips empty slots
-deadlocks XLA's CPU collectives, and a less loaded group would wait for the
-busiest anyway. Each group's sum is multiplied by its live mask, one ``psum``
-over the groups adds them, the sum is divided by ``denom = G * m`` (never the
-live count) and the optimizer is applied, replicated over the groups.
+``("data", "redundancy")`` and automatic over the inner axes (XLA partitions
+each group's computation from the parameters' and the stacks' shardings: FSDP,
+tensor, any layout the user names), every group walks ``n_slots`` slots. Slot
+``l`` of group ``g`` computes the gradient of local micro-batch ``index[g, l]``
+and adds ``weight[g, l]`` times it, in float32 at least (``accum_dtype``). The
+loop runs the same count on every group: a per-device ``lax.cond`` that skips
+empty slots deadlocks XLA's CPU collectives, and a less loaded group would wait
+for the busiest anyway. Each group's sum is multiplied by its live mask, one
+``psum`` over the groups adds them (`reduce_step`), the sum is divided by
+``denom = G * m`` (never the live count), cast to the parameters' dtype, and
+the optimizer is applied, replicated over the groups (`update_step`). One
+process runs both fused (`train_step`); a multi-process job runs them as two
+programs (``split``) so that only the update, which crosses no group, takes
+the donated state.
 
 The table is runtime data: a new live set is new arrays, not a new program,
 until a table needs more slots than were compiled (the default bound, the
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -61,13 +67,25 @@ class TrainState:
     opt_state: optax.OptState
 
 
+def accumulator(dtype: Any, accum_dtype: Any) -> np.dtype:
+    """The dtype gradients of a ``dtype`` leaf are summed in: at least ``accum_dtype``."""
+    return np.dtype(jnp.promote_types(dtype, accum_dtype))
+
+
 def _group_gradients(
-    loss_fn: LossFn, params: Any, stacks: Any, table: slots.Slots
+    loss_fn: LossFn,
+    params: Any,
+    stacks: Any,
+    table: slots.Slots,
+    accum_dtype: Any,
+    reduce: bool = True,
 ) -> tuple[Any, jax.Array]:
     """One group's weighted gradient and loss sums, psum'd over the live groups.
 
-    Runs inside shard_map: ``stacks`` leaves are ``[1, S, b, ...]`` (this group's
-    stack), ``table.index``/``weight`` are ``[1, L]``, ``table.alive`` is ``[1]``.
+    Runs inside shard_map, manual over the group axes: ``stacks`` leaves are
+    ``[1, S, b, ...]`` (this group's stack; rows split over the batch's inner
+    axes by XLA), ``table.index``/``weight`` are ``[1, L]``, ``table.alive`` is
+    ``[1]``. Sums run in ``accum_dtype`` (at least), whatever the parameters' dtype.
     """
     grad_fn = jax.value_and_grad(loss_fn)
     # Differentiate a per-group ("varying") copy of the replicated parameters:
@@ -76,7 +94,8 @@ def _group_gradients(
     params = jax.lax.pcast(params, mesh_lib.GROUP_AXES, to="varying")
     local = jax.tree.map(lambda x: x[0], stacks)
     zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), mesh_lib.GROUP_AXES, to="varying")
-    carry0 = (jax.tree.map(jnp.zeros_like, params), zero_loss)
+    zeros = lambda p: jnp.zeros_like(p, dtype=accumulator(p.dtype, accum_dtype))
+    carry0 = (jax.tree.map(zeros, params), zero_loss)
 
     def slot(k: jax.Array, carry: Any) -> Any:
         i = table.index[0, k]
@@ -84,13 +103,72 @@ def _group_gradients(
         pick = lambda x: jax.lax.dynamic_index_in_dim(x, jnp.maximum(i, 0), keepdims=False)
         loss, grads = grad_fn(params, jax.tree.map(pick, local))
         grad_acc, loss_acc = carry
-        grad_acc = jax.tree.map(lambda acc, g: acc + (g * w).astype(acc.dtype), grad_acc, grads)
+        grad_acc = jax.tree.map(
+            lambda acc, g: acc + g.astype(acc.dtype) * w.astype(acc.dtype), grad_acc, grads
+        )
         return grad_acc, loss_acc + loss.astype(jnp.float32) * w
 
     grads, loss = jax.lax.fori_loop(0, table.n_slots, slot, carry0)
     live = table.alive[0]
     masked = jax.tree.map(lambda g: g * live.astype(g.dtype), (grads, loss))
+    if not reduce:  # one group: its sum is the sum (returned with a group axis of 1)
+        return jax.tree.map(lambda x: x[None], masked)
     return jax.lax.psum(masked, mesh_lib.GROUP_AXES)
+
+
+def reduce_step(
+    state: TrainState,
+    stacks: Any,
+    table: slots.Slots,
+    *,
+    loss_fn: LossFn,
+    mesh: Mesh,
+    accum_dtype: Any = jnp.float32,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """The exact gradient sum over every counted micro-batch, its loss sum and whether finite.
+
+    The part of a step that crosses groups; `update_step` is the rest. The sums
+    are in ``accum_dtype`` (at least) and not yet divided by ``G * m``.
+    """
+    group = PartitionSpec(mesh_lib.GROUP_AXES)
+    table_specs = slots.Slots(group, group, group, PartitionSpec(), PartitionSpec())
+    # XLA refuses a psum over group axes of size 1 beside automatic inner axes.
+    single = mesh_lib.num_groups(mesh) == 1
+    synced = jax.shard_map(
+        lambda p, s, t: _group_gradients(loss_fn, p, s, t, accum_dtype, reduce=not single),
+        mesh=mesh,
+        in_specs=(PartitionSpec(), group, table_specs),
+        out_specs=group if single else PartitionSpec(),
+        axis_names=set(mesh_lib.GROUP_AXES),
+    )
+    grad_sum, loss_sum = synced(state.params, stacks, table)
+    if single:
+        grad_sum, loss_sum = jax.tree.map(lambda x: x[0], (grad_sum, loss_sum))
+    squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grad_sum))
+    finite = jnp.isfinite(loss_sum) & jnp.isfinite(squares)
+    return grad_sum, loss_sum, finite
+
+
+def update_step(
+    state: TrainState,
+    grad_sum: Any,
+    loss_sum: jax.Array,
+    denom: jax.Array,
+    *,
+    tx: optax.GradientTransformation,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The optimizer update from a `reduce_step`'s sums: divide by ``G * m``, apply ``tx``.
+
+    No collective crosses groups here: every group updates its own replica.
+    """
+    grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grad_sum)
+    grad_norm = optax.tree.norm(grads)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    loss = loss_sum / denom
+    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new, {"loss": loss, "grad_norm": grad_norm}
 
 
 def train_step(
@@ -101,6 +179,7 @@ def train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     mesh: Mesh,
+    accum_dtype: Any = jnp.float32,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One exact, failure-masked optimizer step (pure; `SpareStep` jits it).
 
@@ -111,6 +190,8 @@ def train_step(
         loss_fn: ``loss_fn(params, microbatch) -> scalar``, the mean loss of one micro-batch.
         tx: the optimizer.
         mesh: the mesh.
+        accum_dtype: the micro-batch and cross-group sums run in this dtype at
+            least (float32: bf16 parameters still get an fp32-accumulated gradient).
 
     Returns:
         The new state and ``{"loss", "grad_norm", "finite"}``; the loss is the
@@ -118,26 +199,76 @@ def train_step(
         loss. When the loss or the gradient is not finite the state is
         returned unchanged and ``finite`` is False.
     """
-    group = PartitionSpec(mesh_lib.GROUP_AXES)
-    table_specs = slots.Slots(group, group, group, PartitionSpec(), PartitionSpec())
-    synced = jax.shard_map(
-        lambda p, s, t: _group_gradients(loss_fn, p, s, t),
-        mesh=mesh,
-        in_specs=(PartitionSpec(), group, table_specs),
-        out_specs=PartitionSpec(),
-        axis_names=set(mesh_lib.GROUP_AXES),
+    grad_sum, loss_sum, finite = reduce_step(
+        state, stacks, table, loss_fn=loss_fn, mesh=mesh, accum_dtype=accum_dtype
     )
-    grad_sum, loss_sum = synced(state.params, stacks, table)
-    grads = jax.tree.map(lambda g: g / table.denom.astype(g.dtype), grad_sum)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    loss, grad_norm = loss_sum / table.denom, optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    new, metrics = update_step(state, grad_sum, loss_sum, table.denom, tx=tx)
     # A non-finite step keeps the state it started from, so the last good state
-    # survives to be saved (the caller sees metrics["finite"] is False).
+    # survives to be saved (the caller sees metrics["finite"] is False). With the
+    # state donated, XLA selects in place: one state lives, not two.
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-    return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+    return new, {**metrics, "finite": finite}
+
+
+def _spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """``(dimension, mesh axes)`` of each sharded dimension of a spec."""
+    return [
+        (dim, part if isinstance(part, tuple) else (part,))
+        for dim, part in enumerate(spec)
+        if part is not None
+    ]
+
+
+def check_param_spec(name: str, spec: Any, shape: tuple[int, ...], mesh: Mesh) -> None:
+    """A parameter's spec may use any inner axis of the mesh, once, on a dimension it divides.
+
+    Raises:
+        ValueError: naming the leaf and what is wrong with its spec.
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise ValueError(f"param_specs{name} must be a PartitionSpec, got {spec!r}")
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"param_specs{name} = {spec} has more entries than the leaf's shape {shape}"
+        )
+    inner = mesh_lib.inner_axes(mesh)
+    seen: list[str] = []
+    for dim, axes in _spec_axes(spec):
+        for axis in axes:
+            if axis in mesh_lib.GROUP_AXES:
+                raise ValueError(
+                    f"param_specs{name} = {spec} names the group axis {axis!r}: parameters are "
+                    f"replicated over groups; shard them over the inner axes {list(inner)}"
+                )
+            if axis not in inner:
+                raise ValueError(
+                    f"param_specs{name} = {spec} names {axis!r}, not an axis of the mesh "
+                    f"(inner axes: {list(inner)})"
+                )
+        seen += axes
+        size = int(np.prod([mesh.shape[a] for a in axes]))
+        if shape[dim] % size:
+            raise ValueError(
+                f"param_specs{name} = {spec}: dimension {dim} of size {shape[dim]} does not "
+                f"divide over {'x'.join(axes)} = {size} devices"
+            )
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"param_specs{name} = {spec} uses a mesh axis twice")
+
+
+def check_batch_axes(batch_axes: Any, mesh: Mesh) -> tuple[str, ...]:
+    """The inner axes a micro-batch's rows are split over (FSDP-style), checked."""
+    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    inner = mesh_lib.inner_axes(mesh)
+    for axis in axes:
+        if axis in mesh_lib.GROUP_AXES or axis not in inner:
+            raise ValueError(
+                f"batch_axes must name inner axes of the mesh {list(inner)}, got {axis!r} "
+                "(the group axes split the batch into stacks already)"
+            )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"batch_axes names an axis twice: {axes}")
+    return axes
 
 
 def _put(value: Any, sharding: NamedSharding) -> jax.Array:
@@ -184,9 +315,14 @@ class SpareStep:
         slot_bound: int | None = None,
         rows: np.ndarray | None = None,
         donate: bool = True,
+        batch_axes: Sequence[str] = (),
+        accum_dtype: Any = jnp.float32,
+        split: bool = False,
     ):
         self.loss_fn, self.tx, self.mesh, self.placement = loss_fn, tx, mesh, placement
         self.donate = bool(donate)
+        self.batch_axes = check_batch_axes(batch_axes, mesh)
+        self.accum_dtype = np.dtype(accum_dtype)
         self.microbatches = checks.integer("microbatches", microbatches, low=1)
         self.policy = strategies.check_policy(policy)
         self.param_specs = param_specs
@@ -207,8 +343,13 @@ class SpareStep:
         self._checked: set[Any] = set()
         self._group = mesh_lib.group_sharding(mesh)
         self._rep = mesh_lib.replicated(mesh)
-        self._jitted: dict[int, Callable[..., Any]] = {}
-        self._aot: dict[int, Any] = {}  # ahead-of-time executables by slot bound
+        rows_spec = self.batch_axes if self.batch_axes else None
+        self.stack_sharding = NamedSharding(
+            mesh, PartitionSpec(mesh_lib.GROUP_AXES, None, rows_spec)
+        )
+        self.split = bool(split)
+        self._jitted: dict[int, dict[str, Callable[..., Any]]] = {}  # programs by slot bound
+        self._aot: dict[int, dict[str, Any]] = {}  # ahead-of-time executables by slot bound
         self._gathers: dict[int, Callable[..., Any]] = {}  # device-batch layout, by rows
 
     # ------------------------------------------------------------------ state
@@ -219,15 +360,15 @@ class SpareStep:
         if specs is None:
             specs = jax.tree.map(lambda _: PartitionSpec(), params)
         is_spec = lambda x: isinstance(x, PartitionSpec)
-        for spec in jax.tree.leaves(specs, is_leaf=is_spec):
-            named = {
-                a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))
-            }
-            if not is_spec(spec) or named - {"model"}:
-                raise ValueError(f"param_specs may shard over 'model' only, got {spec!r}")
-        param_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
-        if jax.tree.structure(param_sh) != jax.tree.structure(params):
+        if jax.tree.structure(specs, is_leaf=is_spec) != jax.tree.structure(params):
             raise ValueError("param_specs must have the structure of params")
+        for (path, spec), leaf in zip(
+            jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec),
+            jax.tree.leaves(params),
+            strict=True,
+        ):
+            check_param_spec(jax.tree_util.keystr(path), spec, np.shape(leaf), self.mesh)
+        param_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
         opt_shape = jax.eval_shape(self.tx.init, params)
         opt_sh = otu.tree_map_params(
             self.tx, lambda _, sh: sh, opt_shape, param_sh, transform_non_params=lambda _: self._rep
@@ -317,7 +458,9 @@ class SpareStep:
                 return self._gather(x, rows)
             host = np.asarray(x).reshape(-1, rows, *rest)
             return jax.make_array_from_callback(
-                shape, self._group, lambda index: host[ids[index[0]]][(slice(None), *index[1:])]
+                shape,
+                self.stack_sharding,
+                lambda index: host[ids[index[0]]][(slice(None), *index[1:])],
             )
 
         return jax.tree.map(stack, batch)
@@ -327,7 +470,8 @@ class SpareStep:
         if rows not in self._gathers:
             ids = self._unit_ids
             self._gathers[rows] = jax.jit(
-                lambda v: v.reshape(-1, rows, *v.shape[1:])[ids], out_shardings=self._group
+                lambda v: v.reshape(-1, rows, *v.shape[1:])[ids],
+                out_shardings=self.stack_sharding,
             )
         return self._gathers[rows](x)
 
@@ -346,24 +490,33 @@ class SpareStep:
 
     # ------------------------------------------------------------------ the step
 
-    def _compiled(self, state: TrainState) -> Callable[..., Any]:
-        if self.slot_bound not in self._jitted:
-            state_sh = jax.tree.map(lambda x: x.sharding, state)
+    def _programs(self, state: Any) -> dict[str, Callable[..., Any]]:
+        """The jitted programs for the current slot bound: ``step``, or ``reduce`` + ``update``."""
+        if self.slot_bound in self._jitted:
+            return self._jitted[self.slot_bound]
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        donate = (0,) if self.donate else ()
+        kw = {"loss_fn": self.loss_fn, "mesh": self.mesh, "accum_dtype": self.accum_dtype}
 
-            def counted(state: TrainState, stacks: Any, table: slots.Slots) -> Any:
-                self.compiles += 1  # runs only while tracing: once per compilation
-                return train_step(
-                    state, stacks, table, loss_fn=self.loss_fn, tx=self.tx, mesh=self.mesh
-                )
+        def fused(state: TrainState, stacks: Any, table: slots.Slots) -> Any:
+            self.compiles += 1  # runs only while tracing: once per compilation
+            return train_step(state, stacks, table, tx=self.tx, **kw)
 
-            self._jitted = {
-                self.slot_bound: jax.jit(
-                    counted,
-                    out_shardings=(state_sh, self._rep),
-                    donate_argnums=(0,) if self.donate else (),
-                )
-            }
-        return self._jitted[self.slot_bound]
+        def reduce(state: TrainState, stacks: Any, table: slots.Slots) -> Any:
+            self.compiles += 1
+            return reduce_step(state, stacks, table, **kw)
+
+        programs = {  # jit compiles on first call: only the programs used are built
+            "step": jax.jit(fused, out_shardings=(state_sh, self._rep), donate_argnums=donate),
+            "reduce": jax.jit(reduce, out_shardings=self._rep),
+            "update": jax.jit(
+                lambda st, g, l, d: update_step(st, g, l, d, tx=self.tx),
+                out_shardings=(state_sh, self._rep),
+                donate_argnums=donate,
+            ),
+        }
+        self._jitted = {self.slot_bound: programs}
+        return programs
 
     def precompile(self, state: Any, stacks: Any) -> float:
         """Compile the step ahead of time for inputs shaped like these; the seconds it took.
@@ -374,34 +527,99 @@ class SpareStep:
         """
         start = time.perf_counter()
         group = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._group)
-        rep = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=self._rep)
+        rep = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
         rows, bound = int(self.rows.size), self.slot_bound
-        abstract_stacks = jax.tree.map(lambda x: group((rows, *x.shape[1:]), x.dtype), stacks)
+        abstract_stacks = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                (rows, *x.shape[1:]), x.dtype, sharding=self.stack_sharding
+            ),
+            stacks,
+        )
         table = slots.Slots(
             index=group((rows, bound), np.int32),
             weight=group((rows, bound), np.float32),
             alive=group((rows,), np.float32),
-            denom=rep(np.float32),
-            n_slots=rep(np.int32),
+            denom=rep((), np.float32),
+            n_slots=rep((), np.int32),
         )
         abstract_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
-        lowered = self._compiled(abstract_state).lower(abstract_state, abstract_stacks, table)
-        self._aot[bound] = lowered.compile()
+        programs = self._programs(abstract_state)
+        if self.split:
+            reduce = programs["reduce"].lower(abstract_state, abstract_stacks, table)
+            grad_sum, loss_sum, _ = reduce.out_info
+            update = programs["update"].lower(
+                abstract_state,
+                jax.tree.map(lambda x: rep(x.shape, x.dtype), grad_sum),
+                rep((), loss_sum.dtype),
+                table.denom,
+            )
+            self._aot[bound] = {"reduce": reduce.compile(), "update": update.compile()}
+        else:
+            lowered = programs["step"].lower(abstract_state, abstract_stacks, table)
+            self._aot[bound] = {"step": lowered.compile()}
         return time.perf_counter() - start
 
-    def run(self, state: TrainState, stacks: Any, table: slots.Slots) -> tuple[TrainState, dict]:
-        """The jitted step on inputs already placed (`stacks`, `table`); donates ``state``.
+    def compiled(self) -> bool:
+        """Whether the programs for the current slot bound are compiled ahead of time."""
+        return self.slot_bound in self._aot
 
-        (Unless built with ``donate=False``: survivors of a real process failure
-        rebuild the state from the buffers of the step that failed.)
+    def _program(self, name: str, state: Any) -> Callable[..., Any]:
+        ready = self._aot.get(self.slot_bound, {})
+        return ready[name] if name in ready else self._programs(state)[name]
+
+    def run(self, state: TrainState, stacks: Any, table: slots.Slots) -> tuple[TrainState, dict]:
+        """The jitted step on inputs already placed (`stacks`, `table`); donates ``state``."""
+        self._check_loss(state, stacks)
+        if not self.split:
+            with jax.transfer_guard("disallow"):
+                return self._program("step", state)(state, stacks, table)
+        grad_sum, loss_sum, finite = self.reduce(state, stacks, table)
+        if not bool(np.asarray(finite.addressable_shards[0].data)):
+            nan = np.float32(np.nan)
+            return state, {"loss": nan, "grad_norm": nan, "finite": False}
+        new, metrics = self.update(state, grad_sum, loss_sum, table)
+        return new, {**metrics, "finite": finite}
+
+    def reduce(self, state: TrainState, stacks: Any, table: slots.Slots) -> tuple[Any, ...]:
+        """The step's part that crosses groups: ``(grad_sum, loss_sum, finite)``; keeps ``state``.
+
+        With `update`, the split form of `run` (``split=True``, multi-process
+        jobs): a peer lost during `reduce` leaves every survivor's state as it
+        was, and the state is donated only to `update`, in which no other group
+        takes part. A non-finite sum is never applied.
         """
         self._check_loss(state, stacks)
         with jax.transfer_guard("disallow"):
-            if self.slot_bound in self._aot:
-                return self._aot[self.slot_bound](state, stacks, table)
-            return self._compiled(state)(state, stacks, table)
+            return self._program("reduce", state)(state, stacks, table)
+
+    def update(
+        self, state: TrainState, grad_sum: Any, loss_sum: jax.Array, table: slots.Slots
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Apply a `reduce`'s sums to ``state`` (donated): the new state and its metrics."""
+        with jax.transfer_guard("disallow"):
+            return self._program("update", state)(state, grad_sum, loss_sum, table.denom)
+
+    def memory(self, state: TrainState, stacks: Any) -> dict[str, int]:
+        """Device bytes of the compiled step per device (XLA's ``memory_analysis``).
+
+        ``arguments`` (state, input and table), ``outputs``, ``temporaries``
+        (gradients, activations) and ``aliased`` (donated buffers reused for the
+        outputs); ``peak`` = arguments + outputs + temporaries - aliased.
+        """
+        if self.slot_bound not in self._aot:
+            self.precompile(state, stacks)
+        compiled = self._aot[self.slot_bound]
+        stats = compiled["step" if "step" in compiled else "reduce"].memory_analysis()
+        out = {
+            "arguments": int(stats.argument_size_in_bytes),
+            "outputs": int(stats.output_size_in_bytes),
+            "temporaries": int(stats.temp_size_in_bytes),
+            "aliased": int(stats.alias_size_in_bytes),
+        }
+        out["peak"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+        return out
 
     def __call__(
         self, state: TrainState, batch: Any, alive: np.ndarray
@@ -416,11 +634,18 @@ class SpareStep:
         new_state, metrics = self.run(state, self.stacks(batch), table)
         return new_state, {**metrics, "max_load": load}
 
-    def on_mesh(self, mesh: Mesh, rows: np.ndarray, *, donate: bool | None = None) -> SpareStep:
+    def on_mesh(
+        self,
+        mesh: Mesh,
+        rows: np.ndarray,
+        *,
+        donate: bool | None = None,
+        split: bool | None = None,
+    ) -> SpareStep:
         """The same step over another mesh whose groups are the original groups ``rows``.
 
-        Survivors of a real failure use it to continue on their own devices;
-        ``donate`` (default: as this step) is off in multi-process jobs.
+        Survivors of a real failure use it to continue on their own devices.
+        ``donate`` and ``split`` default to this step's.
         """
         return SpareStep(
             self.loss_fn,
@@ -433,6 +658,9 @@ class SpareStep:
             slot_bound=self.slot_bound,
             rows=rows,
             donate=self.donate if donate is None else donate,
+            batch_axes=self.batch_axes,
+            accum_dtype=self.accum_dtype,
+            split=self.split if split is None else split,
         )
 
 
@@ -446,35 +674,44 @@ def make_train_step(
     microbatches: int = 1,
     policy: str = "adaptive",
     param_specs: Any = None,
+    batch_axes: str | Sequence[str] = (),
     slot_bound: int | None = None,
     donate: bool = True,
+    accum_dtype: Any = jnp.float32,
 ) -> SpareStep:
     """SPARe's exact, failure-masked train step for any model and optax optimizer.
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``, the MEAN loss over one micro-batch.
         optimizer: any ``optax.GradientTransformation``.
-        mesh: a ``(data, redundancy, model)`` mesh (`spare_jax.make_mesh`); its
-            ``data * redundancy`` coordinates are the groups.
+        mesh: a mesh from `spare_jax.make_mesh`: the group axes ``data`` and
+            ``redundancy`` (their coordinates are the groups), then any inner axes.
         strategy: ``"spare"`` (cyclic stacking along the redundancy axis),
             ``"replication"`` or ``"dp"`` (redundancy 1).
         redundancy: r, the groups holding each shard.
         microbatches: m, micro-batches per group per step.
         policy: ``"adaptive"`` (optimal), ``"fixed"`` (stack order) or ``"drop"``
             (the inexact drop-and-renormalise baseline).
-        param_specs: optional pytree of ``PartitionSpec`` over ``"model"`` for the
-            parameters; default replicated.
+        param_specs: optional pytree of ``PartitionSpec`` s for the parameters over
+            any inner axes (``fsdp``, ``tensor``, ...; never a group axis); default
+            replicated within each group.
+        batch_axes: inner axes each micro-batch's rows are split over (FSDP-style,
+            e.g. ``"fsdp"``); default none: every device of a group sees whole
+            micro-batches.
         slot_bound: slots to compile for (default the stack size ``r * m``: never recompiles).
-        donate: reuse the input state's memory (False across real process
-            failures, where survivors rebuild the state from it).
+        donate: reuse the input state's memory.
+        accum_dtype: the micro-batch and cross-group gradient sums run in this
+            dtype at least (default float32, whatever the parameters' dtype).
 
     Returns:
         A `SpareStep`.
     """
     kind = strategies.canonical(strategy)
     r = checks.integer("redundancy", redundancy, low=1)
-    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != mesh_lib.AXES:
-        raise ValueError(f"mesh must be a Mesh with axes {mesh_lib.AXES} (spare_jax.make_mesh)")
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names)[:2] != mesh_lib.GROUP_AXES:
+        raise ValueError(
+            f"mesh must be a Mesh whose first axes are {mesh_lib.GROUP_AXES} (spare_jax.make_mesh)"
+        )
     groups = mesh_lib.num_groups(mesh)
     placement = strategies.placement(
         kind, groups, r, ring_size=mesh_lib.ring_size(mesh, r) if kind == "spare" else None
@@ -493,4 +730,6 @@ def make_train_step(
         param_specs=param_specs,
         slot_bound=slot_bound,
         donate=donate,
+        batch_axes=batch_axes,
+        accum_dtype=accum_dtype,
     )

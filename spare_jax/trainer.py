@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +41,8 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import checkpoint as ckpt_lib
-from spare_jax import errors, liveness, multihost, rejoin, reorder, runlog
+from spare_jax import errors, fingerprint, inputs, liveness, multihost, rejoin, reorder, runlog
+from spare_jax import mesh as mesh_lib
 from spare_jax import train_step as step_lib
 
 __all__ = ["Trainer", "host_scalar"]
@@ -64,7 +66,7 @@ def interval_model(
         microbatches=step.microbatches,
         policy=step.policy,
         groups=step.groups,
-        devices_per_group=int(step.mesh.shape["model"]),
+        devices_per_group=mesh_lib.devices_per_group(step.mesh),
         steps=steps,
         failure_rate=failures.total_rate,
         gpu_mtbf_hours=gpu_mtbf_hours,
@@ -118,8 +120,16 @@ class Trainer:
         fault_hook: Callable[[int], None] | None = None,
     ):
         self.multi = jax.process_count() > 1
-        if self.multi and step.donate:  # survivors re-wrap the buffers of a failed step
-            step = step.on_mesh(step.mesh, step.rows, donate=False)
+        if self.multi:  # a process with no device on the mesh would wait for nothing
+            holders = {d.process_index for d in step.mesh.devices.flat}
+            idle = sorted(set(range(jax.process_count())) - holders)
+            if idle:
+                raise ValueError(
+                    f"the mesh leaves process(es) {idle} without devices: build it over every "
+                    "process's devices (spare_jax.make_mesh), each holding whole groups"
+                )
+        if self.multi:  # a reduction, then an update that alone takes (donates) the state
+            step = step.on_mesh(step.mesh, step.rows, split=True)
         self.step, self.params0, self.batches = step, params, batches
         self._template = step  # what a re-join rebuilds the step from, on any mesh
         self.workdir, self.total, self.failures = workdir, steps, failures
@@ -130,7 +140,12 @@ class Trainer:
         self.interval = ckpt_lib.Interval(
             total=steps, model=model, pinned=checkpoint_steps, extra=calibrate
         )
-        self.owners = multihost.groups_of_processes(step.mesh) if self.multi else None
+        # int[G, M]: the process of each device of each group (a group may span processes).
+        self.owners = multihost.group_processes(step.mesh) if self.multi else None
+        # Groups spanning processes: no process holds a whole replica, so checkpoints
+        # are written by every live process (Orbax multi-process) at agreed steps.
+        self.spanning = self.multi and bool((self.owners != self.owners[:, :1]).any())
+        self._agreed_save = False  # spanning: the job's vote to save after this step
         self._by_group = multihost.group_devices(step.mesh)
         self._all = list(step.mesh.devices.flat)  # the job's devices: membership is checked on all
         # The whole job's layout by device id: a re-join rebuilds it on a new backend.
@@ -147,8 +162,13 @@ class Trainer:
             os.path.join(workdir, "checkpoints"),
             self.interval,
             keep=keep,
-            writer=writer,
-            process_local=self.multi,
+            writer=writer or self.spanning,
+            process_local=self.multi and not self.spanning,
+            group=(self.writer_process, self.members) if self.spanning else None,
+            # Spanning: a save in flight has barriers with every live process; one lost
+            # in it would hold the survivors for Orbax's barrier timeout. Saves finish
+            # between steps instead.
+            use_async=not self.spanning,
         )
         self.attempt = self.log.next_attempt
         self.global_abstract = step.abstract_state(params)
@@ -163,7 +183,11 @@ class Trainer:
         self.preemption: Any = None  # set by `spare_jax.fit` in a lone process
         self._resync = False
         self._transient = 0  # failed collectives in a row with every process alive
+        self._warm: set[tuple[int, int]] = set()  # (step, slot bound) pairs run once: compiled
         self.joining: dict[str, Any] | None = None  # a re-join waiting for its first step
+        self._check_input = True  # the batch contract, at a job's first step (`_check_batch`)
+        self.input_rows = 0  # rows this process read from `batches`, every (re)load included
+        self._next: tuple[Any, int, Any, int] | None = None  # a prefetched step's input
 
     # ------------------------------------------------------------------ roles
 
@@ -187,16 +211,45 @@ class Trainer:
         """Let Orbax's policy decide on step ``t`` (or force it); note finished saves."""
         for saved in self.ckpt.poll():
             self._note(saved)
-        if not (force or self.ckpt.due(self.t)):  # most steps: nothing to build or copy
+        due = self._agreed_save if self.spanning else self.ckpt.due(self.t)
+        self._agreed_save = False
+        if not (force or due):  # most steps: nothing to build or copy
             return
+        self._at("checkpoint")
         # Orbax waits for the previous save before starting this one anyway: put it on
         # record first, so that a kill during this save cannot lose its event.
         for saved in self.ckpt.wait():
             self._note(saved)
-        state = multihost.local_view(self.state) if self.multi else self.state
-        stall = self.ckpt.save(self.t, state, self._meta(), force=force)
+        local = self.multi and not self.spanning  # one process's whole replica, on its host
+        state = multihost.local_view(self.state) if local else self.state
+        if self.spanning:
+            stall = self._save_together(state, force or due)
+        else:
+            stall = self.ckpt.save(self.t, state, self._meta(), force=force or due)
         if stall is not None:
             self.interval.stalls.append(stall)
+
+    def _save_together(self, state: Any, force: bool) -> float | None:
+        """Groups spanning processes: every live process saves its shards, in one live-set block.
+
+        A process lost during the save makes every survivor see it at once: the
+        save is dropped (the previous checkpoint stays the newest complete one)
+        and the survivors take over as after a loss in a step.
+        """
+        started = time.time()
+        try:
+            with live_devices(self._all):
+                return self.ckpt.save(self.t, state, self._meta(), force=force)
+        except ProcessFailureError as err:
+            runlog.notice(f"the save of step {self.t} was dropped: a process was lost in it")
+            self._lose(err, started)
+        except jax.errors.JaxRuntimeError as err:
+            runlog.notice(
+                f"the save of step {self.t} was dropped: a collective failed "
+                f"({str(err).splitlines()[0][:160]})"
+            )
+            self._resync = True
+        return None
 
     def _meta(self) -> dict[str, Any]:
         """What a checkpoint records beyond the arrays, to go on from step ``t`` exactly."""
@@ -221,8 +274,13 @@ class Trainer:
 
     def _log_interval(self) -> None:
         f = self.interval.figures
+        capped = (
+            f"the ceiling ({f['ceiling_by']}: {f['ceiling_s']:.3f} s of work) under "
+            if self.interval.source == "ceiling"
+            else ""
+        )
         runlog.notice(
-            f"checkpoint interval {self.interval.steps} steps: the model's optimum "
+            f"checkpoint interval {self.interval.steps} steps: {capped}the model's optimum "
             f"{f['interval_s']:.3f} s for step {f['step_s']:.4f} s, save stall "
             f"{f['save_stall_s']:.4f} s, save {f['save_s']:.4f} s, restore {f['restore_s']:.4f} s, "
             f"group MTBF {f['group_mtbf_s']:.2f} s (MTTI {f['mtti_s']:.2f} s)"
@@ -239,6 +297,7 @@ class Trainer:
         if self.replacement:
             self._join()
             return
+        self._at("restore")
         restored = self._restore()
         if restored is None:
             self.state, self.t = self.step.init(self.params0), 0
@@ -297,6 +356,7 @@ class Trainer:
         start = time.perf_counter()
         self.state = None  # the interrupted state goes; its buffers with it
         self._wait_for_saves()
+        self._at("restore")
         restored = self._restore()
         self.state, to = (
             (self.step.init(self.params0), 0)
@@ -324,6 +384,7 @@ class Trainer:
         self.t = to
 
     def _wait_for_saves(self) -> None:
+        self._at("checkpoint")
         for saved in self.ckpt.wait():
             self._note(saved)
 
@@ -333,24 +394,30 @@ class Trainer:
         ready = self._ready.get(tuple(live))
         if ready is not None:
             return ready
-        mesh = multihost.survivors_mesh(self._by_group, live)
+        mesh = multihost.survivors_mesh(self._by_group, live, self._template.mesh)
         return self.step.on_mesh(mesh, np.asarray(live))
 
     def _precompile_all(self, stacks: Any) -> None:
         """Compile the survivors' step for each single process failure (at start-up)."""
+        self._at("compile")
         me = jax.process_index()
         shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        for proc in sorted(set(self.owners[self.live_groups].tolist()) - {me}):
-            live = [g for g in self.live_groups if self.owners[g] != proc]
+        mine = set(multihost.groups_touching(self.owners, [me]).tolist())
+        for proc in sorted(set(np.unique(self.owners[self.live_groups]).tolist()) - {me}):
+            live = [g for g in self.live_groups if proc not in self.owners[g]]
+            if mine.isdisjoint(live):
+                continue  # that loss takes this process's group too: it would leave
             step = self._survivors(live)
             abstract = jax.tree.map(
                 lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                 self.state,
                 multihost.on_mesh(step.mesh, shardings),
             )
-            step.precompile(abstract, step.stacks(self.batches(self.t)))
+            step.precompile(abstract, stacks)  # only the shapes after the group axis count
             self._ready[tuple(live)] = step
-        del stacks
+        if not self.step.compiled():  # the job's own step too: no compile inside the first step
+            self.step.precompile(self.state, stacks)
+        self._resync = True  # compiles end at different times: meet before the first collective
 
     def _lose(self, err: ProcessFailureError, started: float) -> None:
         """Survivors take over: the dead groups failed, the new step and state, the books."""
@@ -359,22 +426,37 @@ class Trainer:
         # The launcher first: it kills what is left of them and knows the others
         # are recovering (compiling the step below can take longer than a heartbeat).
         runlog.emit("dead", processes=dead_procs, step=self.t)
-        dead_groups = [g for g in self.live_groups if self.owners[g] in dead_procs]
+        self._at("compile")  # rebuilding and compiling the survivors' step: busy
+        lost = set(multihost.groups_touching(self.owners, dead_procs).tolist())
+        dead_groups = [g for g in self.live_groups if g in lost]
         live = [g for g in self.live_groups if g not in dead_groups]
+        # The other processes of a dead group leave: they hold no live group.
+        leaving = sorted({int(p) for p in np.unique(self.owners[dead_groups])} - set(dead_procs))
+        if jax.process_index() in leaving:
+            self._leave_group(dead_procs, dead_groups)
+        # The leavers stay in the live-set check until the job declares them dead:
+        # then every survivor sees them go in the same block (`_left`).
+        if not dead_groups:  # processes that left with their group, already masked
+            self._left(dead_procs)
+            return
         step = self._survivors(live)
         shardings = multihost.on_mesh(step.mesh, jax.tree.map(lambda x: x.sharding, self.state))
         self.state = multihost.reshard(self.state, shardings)
         rebuilt = time.time()
-        stacks = step.stacks(self.batches(self.t))
-        compile_s = 0.0 if step.slot_bound in step._aot else step.precompile(self.state, stacks)
+        stacks, rows = inputs.load(step, self.batches, self.t)  # the same units: no new data
+        self.input_rows += rows
+        self._next = (step, self.t, stacks, rows)
+        compile_s = 0.0 if step.compiled() else step.precompile(self.state, stacks)
         self.step, self._ready = step, {}
-        self.lost_processes = sorted({*self.lost_processes, *dead_procs})
-        self.members -= set(dead_procs)
+        self.lost_processes = sorted({*self.lost_processes, *dead_procs, *leaving})
+        self.members -= {*dead_procs, *leaving}
         self.failures.fail(dead_groups, self.t, repair=False)  # no devices to re-join with
         killed = [multihost.kill_time(p) for p in dead_procs]
         origin = max([started, *[k for k in killed if k is not None]])
-        if self.writer_process in dead_procs:
+        if self.writer_process in {*dead_procs, *leaving}:
             self.writer_process = int(self.owners[self.live_groups].min())
+        if self.spanning:  # every live process takes part in a save: a new group of them
+            self.ckpt.regroup(self.writer_process, self.members)
         if self._is_writer():
             self.log.become_writer()
             self.ckpt.become_writer()
@@ -393,6 +475,35 @@ class Trainer:
         )
         self.recovering = {"origin": origin, "detected": detected, "resumed": time.time()}
         self._resync = True
+        self._check_input = True
+
+    def _left(self, procs: list[int]) -> None:
+        """Processes whose groups were already masked are gone: the books only, no new step."""
+        self.members -= set(procs)
+        self.lost_processes = sorted({*self.lost_processes, *procs})
+        if self.writer_process in procs:
+            self.writer_process = int(self.owners[self.live_groups].min())
+        if self.spanning:
+            self.ckpt.regroup(self.writer_process, self.members)
+        if self._is_writer():
+            self.log.become_writer()
+            self.ckpt.become_writer()
+        runlog.notice(f"process(es) {procs} left the job with their group (already masked)")
+        self._resync = True
+
+    def _leave_group(self, dead_procs: list[int], dead_groups: list[int]) -> None:
+        """This process's group lost another of its processes: leave the job (it goes on)."""
+        runlog.emit("group_lost", process=jax.process_index(), groups=dead_groups, step=self.t)
+        err = errors.GroupLost(
+            f"process(es) {dead_procs} died during step {self.t}, and with them group(s) "
+            f"{dead_groups}, which this process belongs to; the job goes on without it"
+        )
+        # At once, without JAX's shutdown (which would wait on the survivors): the job
+        # declares this process dead one heartbeat later, on every survivor alike.
+        sys.stderr.write(f"spare-jax: {err}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(err.exit_status)
 
     # ------------------------------------------------------------------ re-join
 
@@ -413,6 +524,11 @@ class Trainer:
         across the backend reset; the writer also publishes it for the
         newcomers. Step ``t`` runs next, with every group of the newcomers live.
         """
+        if self.spanning:  # no process holds a replica to hand over (yet): start afresh
+            raise errors.Relaunch(
+                f"process(es) {epoch.joiners} came back at step {self.t}, but a group spanning "
+                "processes cannot take a replacement in a running job; a fresh job resumes"
+            )
         start = time.time()
         self._wait_for_saves()
         leaves, treedef = jax.tree.flatten(multihost.local_view(self.state))
@@ -436,6 +552,7 @@ class Trainer:
         me = jax.process_index()
         epoch = rejoin.Epoch(rejoin.live_incarnations(), [me])
         start = time.time()
+        self._at("join")
         rejoin.announce(epoch)
         rejoin.reset_backend(epoch, fresh=True)
         data = rejoin.receive(epoch)
@@ -460,12 +577,13 @@ class Trainer:
         full = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(self._ids), self._axes)
         self._all = list(full.devices.flat)
         self._by_group = multihost.group_devices(full)
-        back = [int(g) for g in np.flatnonzero(np.isin(self.owners, epoch.joiners))]
+        back = [int(g) for g in multihost.groups_touching(self.owners, epoch.joiners)]
         live = sorted({*rows, *back})
         groups = np.arange(len(self.owners))
         self.global_abstract = self._template.on_mesh(full, groups).abstract_state(self.params0)
         self.step = self._template.on_mesh(
-            multihost.survivors_mesh(self._by_group, live), np.asarray(live)
+            multihost.survivors_mesh(self._by_group, live, self._template.mesh),
+            np.asarray(live),
         )
         shardings = jax.tree.map(lambda sp: NamedSharding(self.step.mesh, sp), specs)
         self.state = multihost.from_local(host_state, shardings)
@@ -477,7 +595,12 @@ class Trainer:
     def _joined(self, epoch: rejoin.Epoch, start: float, nbytes: int) -> None:
         """Every process has its state: compile the step for the grown mesh, note the re-join."""
         placed = time.time()
-        compile_s = self.step.precompile(self.state, self.step.stacks(self.batches(self.t)))
+        self._check_input = True
+        stacks, rows = inputs.load(self.step, self.batches, self.t)
+        self.input_rows += rows
+        self._next = (self.step, self.t, stacks, rows)
+        self._at("compile")
+        compile_s = self.step.precompile(self.state, stacks)
         self.joining = {
             "process": epoch.joiners,
             "groups": self._rejoined,
@@ -517,6 +640,30 @@ class Trainer:
         """The re-join, named by the live set every process holds after the block."""
         return rejoin.Epoch(rejoin.live_incarnations(), joiners) if joiners else None
 
+    def _check_batch(self, stacks: Any) -> None:
+        """Multi-process, at a job's first step and after a recovery or re-join: every
+        holder of a micro-batch got the same rows, or `errors.BatchMismatch` (`fingerprint`).
+        """
+        if not self._check_input:
+            return
+        fingerprint.check(stacks, self.step._unit_ids, self.t)
+        self._check_input = False
+        for step in self._ready.values():  # the survivors' steps are compiled: their check too
+            fingerprint.precompile(
+                jax.tree.map(
+                    lambda x, st=step: jax.ShapeDtypeStruct(
+                        (st.rows.size, *x.shape[1:]), x.dtype, sharding=st.stack_sharding
+                    ),
+                    stacks,
+                )
+            )
+
+    def _at(self, phase: str) -> None:
+        """Tell a launcher where this worker is in step ``t`` (`runlog.at`): its watch evicts
+        a worker that stopped while its peers wait for it, never a busy one."""
+        recent = self.step_times[-20:]
+        runlog.at(self.t, phase, step_s=float(np.median(recent)) if recent else None)
+
     def _execute(self, table: Any, load: int) -> dict[str, Any] | rejoin.Epoch:
         """Run step ``t`` and return its record, or the re-join that comes first.
 
@@ -525,11 +672,13 @@ class Trainer:
         at the same block on every process.
         """
         t0 = time.perf_counter()
-        stacks = self.step.stacks(self.batches(self.t))
+        self._at("data")
+        stacks, rows = self._input(self.t)
         if self._precompile:
             self._precompile = False
             self._precompile_all(stacks)
         if self._resync:  # survivors recover at their own pace: start the retry together
+            self._at("sync")
             with live_devices(self._all) as live:
                 joiners = self._newcomers(live)
             self._resync = False
@@ -537,22 +686,44 @@ class Trainer:
                 return self._epoch(joiners)
         t1 = time.perf_counter()
         if self.multi:
+            if self._check_input:  # compiled before the block, whose entry lines processes up
+                fingerprint.precompile(stacks)
+            fresh = (id(self.step), self.step.slot_bound) not in self._warm
+            self._at("compile" if fresh else "step")  # a first run compiles: busy, not stuck
+            if not self.step.compiled():  # before the block: peers compile at their own pace,
+                self.step.precompile(self.state, stacks)  # the block's entry waits for all
             with live_devices(self._all) as live:
                 joiners = self._newcomers(live)
                 if not joiners:
+                    self._check_batch(stacks)
                     if self.fault_hook is not None:
                         self.fault_hook(self.t)
-                    # A failed step's outputs carry its error: keep the state until it is done.
-                    state, metrics = self.step.run(self.state, stacks, table)
-                    jax.block_until_ready((state, metrics))
+                    # Only the reduction crosses groups: a peer lost in it leaves every
+                    # survivor's state as it was (it is donated to the update alone).
+                    try:
+                        sums = self.step.reduce(self.state, stacks, table)
+                        if self.spanning:  # the next save, agreed by every live process
+                            vote = multihost.agree(self.step.mesh, self.ckpt.due(self.t + 1))
+                        if fresh:  # compiled; the update compiles next, at its own pace:
+                            self._at("step")  # meet before the next step's collectives
+                            self._warm.add((id(self.step), self.step.slot_bound))
+                            self._resync = True
+                        self._prefetch(self.t + 1)
+                        jax.block_until_ready(sums)
+                        if self.spanning:
+                            self._agreed_save = bool(host_scalar(vote))
+                    finally:  # done or failed, it waits for its peers in the live-set check
+                        self._at("sync")
             if joiners:
                 return self._epoch(joiners)
+            state, metrics = self._update(sums, table)
         else:
             if self.fault_hook is not None:
                 self.fault_hook(self.t)
             state, metrics = self.step.run(self.state, stacks, table)
+            self._prefetch(self.t + 1)  # the next step's input is read while this one runs
         self.state = state
-        metrics = {k: host_scalar(v) for k, v in metrics.items()}
+        metrics = {k: host_scalar(v) if isinstance(v, jax.Array) else v for k, v in metrics.items()}
         t2 = time.perf_counter()
         if self.t > 0:  # step 0 compiles
             self.step_times.append(t2 - t0)
@@ -569,7 +740,42 @@ class Trainer:
             "grad_norm": float(metrics["grad_norm"]),
             "compiles": self.step.compiles,
             "exact": self.step.policy != "drop",
+            "input_rows": rows,
         }
+
+    def _update(self, sums: tuple[Any, ...], table: Any) -> tuple[Any, dict[str, Any]]:
+        """Apply a completed reduction to this process's replica (multi-process jobs).
+
+        No other group takes part in the update; a non-finite sum is not applied.
+        """
+        grad_sum, loss_sum, finite = sums
+        if not host_scalar(finite):
+            return self.state, {"loss": math.nan, "grad_norm": math.nan, "finite": False}
+        try:
+            state, metrics = self.step.update(self.state, grad_sum, loss_sum, table)
+            jax.block_until_ready(state)
+        except jax.errors.JaxRuntimeError as err:  # the state was donated: it is gone
+            raise errors.Relaunch(
+                f"step {self.t}: the optimizer update failed after the reduction "
+                f"({str(err).splitlines()[0][:160]}); a fresh job resumes from the checkpoint"
+            ) from None
+        return state, {**metrics, "finite": True}
+
+    def _input(self, t: int) -> tuple[Any, int]:
+        """Step ``t``'s stacks for the step in force and the rows this process read for them."""
+        ready, self._next = self._next, None
+        if ready is not None and ready[0] is self.step and ready[1] == t:
+            return ready[2], ready[3]
+        stacks, rows = inputs.load(self.step, self.batches, t)
+        self.input_rows += rows
+        return stacks, rows
+
+    def _prefetch(self, t: int) -> None:
+        """Read step ``t``'s input ahead (while the device runs the step before it)."""
+        if t < self.total:
+            stacks, rows = inputs.load(self.step, self.batches, t)
+            self.input_rows += rows
+            self._next = (self.step, t, stacks, rows)
 
     def loop(self) -> None:
         """Train from step ``t`` to the end through every failure."""
@@ -705,14 +911,23 @@ class Trainer:
             "rollbacks": sum(1 for r in records if r.get("event") in ("rollback", "relaunch")),
             "attempts": 1 + max((r.get("attempt", 0) for r in records), default=0),
             "lost_processes": self.lost_processes,
-            "live_groups": self.live_groups,
+            "live_groups": int(self.failures.alive.sum()),
+            "live_group_ids": np.flatnonzero(self.failures.alive).tolist(),
             "goodput": runlog.goodput(records, self.step.microbatches),
+            "input_rows": self.input_rows,
+            "input_rows_per_step": max((r.get("input_rows", 0) for r in last.values()), default=0),
         }
         self.log.write_summary(summary)
         return summary
 
     def params(self) -> Any:
-        """The current parameters as host NumPy arrays (this process's full replica)."""
+        """The current parameters as host NumPy arrays (this process's full replica).
+
+        With groups spanning processes no process holds one: the live processes
+        gather it (every one of them calls this at the end of `fit`).
+        """
+        if self.spanning:
+            return multihost_utils.process_allgather(self.state.params, tiled=True)
         return jax.tree.map(multihost.host_copy, self.state.params)
 
     def close(self) -> None:

@@ -61,8 +61,24 @@ def regression_command(workdir: pathlib.Path, *args: str) -> list[str]:
     return [PYTHON, str(ROOT / "experiments" / "regression.py"), f"--workdir={workdir}", *args]
 
 
-def launcher(workdir: pathlib.Path, worker: list[str], *flags: str) -> list[str]:
-    """``python -m spare_jax.launch`` with 4 workers of 2 devices each, logs under workdir."""
+def cued_command(workdir: pathlib.Path, *args: str) -> list[str]:
+    """The user script whose loader hangs or raises on cue files (tests/cued_worker.py)."""
+    return [PYTHON, str(ROOT / "tests" / "cued_worker.py"), f"--workdir={workdir}", *args]
+
+
+def cue(workdir: pathlib.Path, name: str, process: int, text: str = "") -> None:
+    """Create the cue ``name`` for worker ``process`` (see tests/cued_worker.py)."""
+    (workdir / "cues").mkdir(parents=True, exist_ok=True)
+    (workdir / "cues" / f"{name}-{process}").write_text(text)
+
+
+def launcher(
+    workdir: pathlib.Path, worker: list[str], *flags: str, launch_dir: bool = True
+) -> list[str]:
+    """``python -m spare_jax.launch`` with 4 workers of 2 devices each, logs under workdir.
+
+    ``launch_dir=False`` leaves ``--launch_dir`` out: the launcher picks the job's own.
+    """
     return [
         PYTHON,
         "-m",
@@ -70,7 +86,7 @@ def launcher(workdir: pathlib.Path, worker: list[str], *flags: str) -> list[str]
         "--processes=4",
         "--devices_per_process=2",
         "--heartbeat_s=5",  # a busy 2-core CI machine must not take a slow worker for dead
-        f"--launch_dir={workdir / 'launch'}",
+        *([f"--launch_dir={workdir / 'launch'}"] if launch_dir else []),
         *flags,
         "--",
         *worker,

@@ -114,6 +114,15 @@ CASES = [
         (("--scenario.nonsense=1",), "override of no config field"),
         (("--scenario.gpus=abc",), "malformed config override"),
         (("--scenario.gpus=-8",), "negative config override"),
+        (("--microbatch_tokens=-8192",), "negative micro-batch tokens"),
+        (("--microbatch_tokens=0",), "zero micro-batch tokens"),
+        (("--sequence_tokens=3000",), "micro-batch not a whole number of sequences"),
+        (("--max_global_batch_tokens=-1",), "negative batch cap"),
+        (("--max_global_batch_tokens=16777216",), "batch cap below one micro-batch per group"),
+        (
+            ("--gpus_per_group=600", "--max_global_batch_tokens=16777216", "--microbatches=4,8"),
+            "no listed micro-batch count fits the batch cap",
+        ),
     ),
     *_cases(
         OVERHEAD,
@@ -145,6 +154,10 @@ CASES = [
         (("--out=",), "empty output directory"),
         ((f"--out={BLOCKER}",), "output directory is a file"),
         ((f"--out={BLOCKER}/sub", "--quick"), "output directory under a file"),
+        (("--microbatch_tokens=-1",), "negative micro-batch tokens"),
+        (("--max_global_batch_tokens=8192",), "batch cap below one micro-batch per group"),
+        (("--parts=bogus",), "unknown part"),
+        (("--parts=reduction",), "a part without the one it needs"),
     ),
     *_cases(
         BENCH_ANALYSIS,
@@ -226,7 +239,7 @@ CASES = [
         LAUNCH,
         (("--processes=0",), "zero processes"),
         (("--processes=3",), "processes not dividing the devices"),
-        (("--processes=8",), "a group would span two processes"),
+        (("--config.mesh=(1,2,3)", "--processes=3"), "a process holding parts of two groups"),
         (("--devices_per_process=3",), "devices per process not matching the mesh"),
         (("--kill=5:9",), "kill of a process that does not exist"),
         (("--kill=999:1",), "kill past the last step"),
@@ -415,6 +428,8 @@ NEGATIVE_FLAGS = (
     (BENCH_REORDER, "seed"),
     (BENCH_SIM, "replicas"),
     (PLAN, "gpus"),
+    (PLAN, "microbatch_tokens"),
+    (PLAN, "max_global_batch_tokens"),
 )
 
 

@@ -247,3 +247,71 @@ def test_a_full_disk_is_named_and_the_newest_intact_checkpoint_kept(small_disk):
     assert "checkpoint 1 is the newest intact one" in message
     assert checkpoint.missing_files(str(small_disk / "ckpt" / "1")) is None
     ckpt.close()
+
+
+def _interval(total: int) -> checkpoint.Interval:
+    model = checkpoint.IntervalModel(
+        strategy="spare",
+        redundancy=2,
+        microbatches=2,
+        policy="adaptive",
+        groups=4,
+        devices_per_group=2,
+        steps=total,
+        failure_rate=0.0,
+        gpu_mtbf_hours=5.1e4,
+    )
+    return checkpoint.Interval(total=total, model=model)
+
+
+def test_the_ceiling_caps_the_model_and_says_which_bound_applied():
+    # A long run of 1 s steps: Young's interval for the unmodelled interruptions binds.
+    interval = _interval(10**6)
+    interval.stalls, interval.saves = [5.0, 0.5, 0.5], [9.0, 2.0, 2.0]
+    assert interval.update([1.0] * 5)
+    young = math.sqrt(2 * 0.5 * checkpoint.UNMODELLED_MTBI_S)  # ~315 s
+    f = interval.figures
+    assert interval.source == "ceiling" and f["ceiling_by"] == "unmodelled"
+    assert f["ceiling_s"] == pytest.approx(young) and 290 < young < 340
+    assert interval.steps == f["ceiling_steps"] == int(young - 2.0) < f["model_steps"]
+    # A short run: a tenth of it.
+    interval = _interval(2000)
+    interval.stalls, interval.saves = [5.0, 0.01], [9.0, 0.05]
+    interval.update([0.05] * 5)
+    assert interval.figures["ceiling_by"] == "run_fraction"
+    assert interval.figures["ceiling_s"] == pytest.approx(0.1 * 2000 * 0.05)
+    assert interval.steps == int((10.0 - 0.05) // 0.05)
+    # Saves that cost more than 5% of the time at that interval: the floor.
+    interval.stalls, interval.saves = [5.0, 1.0], [9.0, 1.5]
+    interval.update([0.05] * 5)
+    assert interval.figures["ceiling_by"] == "save_cost"
+    assert interval.figures["ceiling_s"] == pytest.approx(1.0 / checkpoint.STALL_SHARE + 1.5)
+    assert interval.steps == int(20.0 // 0.05)  # stalls are 5% of the interval
+    # Only the start-up-inflated first save measured: the floor is two saves' duration.
+    interval = _interval(2000)
+    interval.stalls, interval.saves = [5.0], [9.0]
+    interval.update([0.05] * 5)
+    assert interval.figures["ceiling_s"] == pytest.approx(18.0)
+    assert interval.steps == int((18.0 - 9.0) // 0.05)
+
+
+def test_the_model_applies_below_the_ceiling_and_a_resume_keeps_the_source():
+    model = checkpoint.IntervalModel(
+        strategy="spare",
+        redundancy=2,
+        microbatches=2,
+        policy="adaptive",
+        groups=4,
+        devices_per_group=2,
+        steps=100_000,
+        failure_rate=1e-3,
+        gpu_mtbf_hours=5.1e4,
+    )
+    interval = checkpoint.Interval(total=100_000, model=model)
+    interval.stalls, interval.saves = [1.0, 0.01], [1.0, 0.02]
+    interval.update([0.1] * 5)
+    assert interval.source == "model" and interval.steps == interval.figures["model_steps"]
+    assert interval.steps <= interval.figures["ceiling_steps"]
+    again = checkpoint.Interval(total=100_000, model=model)
+    again.load({"steps": 7, "source": "ceiling", "figures": {"ceiling_by": "run_fraction"}})
+    assert (again.steps, again.source) == (7, "ceiling")

@@ -50,7 +50,9 @@ def _walk(root: pathlib.Path, suffixes: tuple[str, ...]) -> list[pathlib.Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
-            d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")
+            d
+            for d in dirnames
+            if d not in SKIP_DIRS and not d.startswith(".venv") and not d.endswith(".egg-info")
         )
         out += [pathlib.Path(dirpath) / f for f in sorted(filenames) if f.endswith(suffixes)]
     return out

@@ -58,6 +58,9 @@ def test_masked_failures_and_a_rollback_end_on_the_reference(tmp_path):
     assert (rollback["from_step"], rollback["to_step"], rollback["uncovered"]) == (6, 4, [2, 3])
     assert [r["step"] for r in seen] == [*range(6), *range(4, STEPS)]
     assert [r["live_groups"] for r in seen[:6]] == [4, 4, 4, 3, 3, 3]
+    # One meaning of live_groups, a count, in the records and the summary; the ids apart.
+    assert result.summary["live_groups"] == 4  # the rollback replaced every failed group
+    assert result.summary["live_group_ids"] == [0, 1, 2, 3]
     assert [e["step"] for e in lj.events(tmp_path, "checkpoint")] == [4, 8, 12]
 
 
@@ -115,6 +118,8 @@ def test_a_non_finite_loss_stops_with_its_status_and_keeps_the_last_good_state(t
         ({"checkpoint_steps": 0}, "checkpoint_steps"),
         ({"keep": 0}, "keep"),
         ({"gpu_mtbf_hours": -1.0}, "gpu_mtbf_hours"),
+        ({"batches": lambda t: regression.batches(t, rows=12)}, "G\\*m\\*b rows"),
+        ({"batches": lambda t: {"x": np.zeros((32, 8)), "y": np.zeros(31)}}, "leading"),
     ],
 )
 def test_bad_arguments_are_named_before_any_work(tmp_path, change, match):
@@ -128,7 +133,7 @@ def test_bad_arguments_are_named_before_any_work(tmp_path, change, match):
     }
     with pytest.raises(ValueError, match=match):
         spare_jax.fit(args.pop("step"), args.pop("params"), args.pop("batches"), **args)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # no file, no checkpoints/, not even the directory
 
 
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):

@@ -65,7 +65,7 @@ def test_a_worker_killed_from_outside_is_masked_and_the_run_completes(
         assert failure["groups"] == [2] and 0 < failure["detect_s"] < 60
         summary = lj.summary(tmp_path)
         assert summary["lost_processes"] == [2] and summary["attempts"] == 1
-        assert summary["live_groups"] == [0, 1, 3]
+        assert summary["live_groups"] == 3 and summary["live_group_ids"] == [0, 1, 3]
         assert job.output().count("declared dead") == 1  # relayed by the launcher, once
     lj.no_process_left(tmp_path)
 

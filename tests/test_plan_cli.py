@@ -83,8 +83,11 @@ def test_table_and_overrides():
         and "checkpoint 120 s" in out.stdout
         and "restart 900 s" in out.stdout
     )
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[4:8]}
-    assert set(rows) == {"checkpoint_restart", "replication", "spare_fixed", "spare_adaptive"}
+    names = {"checkpoint_restart", "replication", "spare_fixed", "spare_adaptive"}
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith("micro-batch b = 8,192 tokens (one 8,192-token sequence)")
+    rows = {cells[0]: cells for cells in map(str.split, lines) if cells and cells[0] in names}
+    assert set(rows) == names
     assert all(int(row[1]) <= 3 for row in rows.values())
 
 
@@ -131,3 +134,58 @@ def test_unknown_config_variant_and_field():
     config.gpus = -8
     with pytest.raises(ValueError, match="gpus"):
         module.to_scenario(config)
+
+
+def test_json_reports_each_plans_global_batch():
+    """G x m x b per strategy, in tokens and sequences, as analysis.Batch computes it."""
+    args = ("--scenario=configs/scenarios.py:small", "--redundancy=1,2,4", "--microbatches=1,4")
+    out = _run(*args, "--microbatch_tokens=16384", "--sequence_tokens=4096", "--json")
+    assert out.returncode == 0, out.stderr
+    data = _strict_json(out.stdout)
+    batch = analysis.Batch(microbatch_tokens=16_384, sequence_tokens=4_096)
+    groups = data["scenario"]["groups"]
+    assert data["batch"]["microbatch_sequences"] == 4
+    assert data["batch"]["max_global_batch_tokens"] is None
+    for row in data["strategies"]:
+        m = row["microbatches"]
+        assert row["global_batch_tokens"] == int(batch.global_tokens(groups, m))
+        assert row["global_batch_sequences"] == int(batch.global_sequences(groups, m))
+        assert row["global_batch_tokens"] == row["global_batch_sequences"] * 4_096
+
+
+def test_cap_chooses_microbatches_within_it():
+    """The cap admits m <= 2 where the uncapped optimum takes more; plan.py keeps to it."""
+    scenario = Scenario(gpus=96_000, work_hours=48.0)
+    cap = scenario.groups * 2 * analysis.DEFAULT_MICROBATCH_TOKENS
+    search = ("--gpus=96000", "--work_hours=48", "--redundancy=1,8", "--microbatches=1,2,16")
+    free = _strict_json(_run(*search, "--json").stdout)
+    out = _run(*search, f"--max_global_batch_tokens={cap}", "--json")
+    assert out.returncode == 0, out.stderr
+    data = _strict_json(out.stdout)
+    assert data["batch"]["max_microbatches"] == 2
+    by = {row["name"]: row for row in data["strategies"]}
+    assert {row["name"]: row for row in free["strategies"]}["spare_adaptive"]["microbatches"] > 2
+    batch = analysis.Batch(max_global_batch_tokens=cap)
+    want = analysis.optimise(
+        scenario, "spare", redundancies=(1, 8), microbatches=(1, 2, 16), batch=batch
+    )
+    got = by["spare_adaptive"]
+    assert (got["redundancy"], got["microbatches"]) == (want.redundancy, want.microbatches)
+    assert got["microbatches"] <= 2 and got["global_batch_tokens"] <= cap
+    assert got["time_to_train_days"] == pytest.approx(want.estimate.time_to_train_days)
+    # The table says so, with the batch beside the headline's reduction.
+    text = _run(*search, f"--max_global_batch_tokens={cap}").stdout
+    assert f"capped at {cap:,} tokens (m <= 2 at 12,000 groups)" in text
+    assert f"at m = {got['microbatches']}: a global batch of" in text.splitlines()[-1]
+    assert "batch_seq" in text and "batch_tok" in text
+
+
+def test_cap_below_one_microbatch_per_group_is_one_line_exit_2():
+    """The paper's scale in 8-GPU groups cannot take Llama 3's 16M-token batch."""
+    out = _run(f"--max_global_batch_tokens={analysis.REFERENCE_BATCH_TOKENS}")
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.splitlines()) == 1
+    groups = Scenario().groups
+    most = analysis.REFERENCE_BATCH_TOKENS // analysis.DEFAULT_MICROBATCH_TOKENS
+    assert "below one micro-batch per group" in out.stderr
+    assert f"{groups:,} groups" in out.stderr and f"at most {most:,} groups" in out.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import inspect
 import json
 import math
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from spare_jax import analysis
+from spare_jax.scenario import Scenario
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPRODUCE = os.path.join(ROOT, "experiments", "reproduce.py")
@@ -24,6 +26,7 @@ ARTEFACTS = (
     "availability_vs_redundancy",
     "time_to_train",
     "reduction_vs_replication",
+    "headline_by_batch",
 )
 PLAN_ROWS = ("checkpoint_restart", "replication", "spare_fixed", "spare_adaptive")
 
@@ -176,7 +179,7 @@ def test_reproduce_quick_writes_results_that_hold_with_plan_cli_plans(tmp_path):
     out = tmp_path / "runs" / "reproduce"
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(
         [f"{name}.{ext}" for name in ARTEFACTS for ext in ("csv", "png")]
-        + ["sensitivity.csv", "domains.csv", "summary.md"]
+        + ["sensitivity.csv", "domains.csv", "summary.md", "headline_by_batch.md"]
     )
     _check_overhead(_csv(str(out / "overhead_vs_redundancy.csv")))
     _check_endurance(_csv(str(out / "endurable_failures.csv")))
@@ -191,4 +194,146 @@ def test_reproduce_quick_writes_results_that_hold_with_plan_cli_plans(tmp_path):
     assert any(c.startswith("m fixed at 8") for c in cases)
     assert any(c.startswith("r at most 6") for c in cases)
     summary = (out / "summary.md").read_text()
-    assert "| GPUs |" in summary and "Sensitivity" in summary and "Headline" in summary
+    assert "| GPUs |" in summary and "Sensitivity" in summary and "The optimum at" in summary
+    _check_headline(_csv(str(out / "headline_by_batch.csv")), Scenario(gpus=96_000, work_hours=48))
+    # summary.md leads with the headline table, as written on its own.
+    table = (out / "headline_by_batch.md").read_text().strip()
+    assert summary.index(table) < summary.index("## Time-to-train")
+
+
+# ---------------------------------------------------------------- the headline along m and batch
+
+HEADLINE_MD = os.path.join(RESULTS, "headline_by_batch.md")
+FRAMINGS = ("optimum", "r=2", "r=4", "r=8")
+
+
+def _headline_plans(row: dict, base: Scenario) -> tuple[analysis.Plan, analysis.Plan]:
+    """SPARe's and replication's plans for one headline row, from the optimiser itself."""
+    m = int(row["microbatches"])
+    rs = None if row["framing"] == "optimum" else (int(row["framing"].removeprefix("r=")),)
+    search = {} if rs is None else {"redundancies": rs}
+    spare_at = dataclasses.replace(base, gpus_per_group=int(row["gpus_per_group"]))
+    rep_at = dataclasses.replace(base, gpus_per_group=int(row["replication_gpus_per_group"]))
+    spare = analysis.optimise(spare_at, "spare", microbatches=(m,), **search)
+    return spare, analysis.optimise(rep_at, "replication", **search)
+
+
+def _check_headline(rows: list[dict], base: Scenario, check_plans=lambda row: True) -> None:
+    """Layout and batch of every row by analysis.Batch and capped_groups; plans re-derived.
+
+    Rows without a cap run on the scenario's groups; with one, on the most groups
+    (whole base groups, a multiple of 8) whose G x m x b fits, replication on the
+    m = 1 layout. `check_plans(row)` picks the rows whose closed forms are re-derived
+    with `analysis.optimise` (each costs a few optimiser runs).
+    """
+    assert {row["framing"] for row in rows} == set(FRAMINGS)
+    halves = {bool(row["max_global_batch_tokens"]) for row in rows}
+    assert halves == {False, True}
+    for row in rows:
+        m, g, b = int(row["microbatches"]), int(row["groups"]), int(row["microbatch_tokens"])
+        cap = int(row["max_global_batch_tokens"]) if row["max_global_batch_tokens"] else None
+        batch = analysis.Batch(b, None, cap)
+        assert int(row["gpus"]) == base.gpus and g * int(row["gpus_per_group"]) == base.gpus
+        assert int(row["global_batch_tokens"]) == int(batch.global_tokens(g, m))
+        assert int(row["global_batch_sequences"]) == int(batch.global_sequences(g, m))
+        if cap is None:
+            assert g == base.groups and int(row["replication_groups"]) == base.groups
+        else:
+            assert bool(batch.fits(g, m))
+            limits = [cap // (k * b) for k in (m, 1)]
+            want = analysis.capped_groups(base.gpus, base.gpus_per_group, limits, multiple_of=8)
+            assert [g, int(row["replication_groups"])] == want.tolist()
+        if row["framing"] != "optimum":
+            r = int(row["framing"].removeprefix("r="))
+            assert int(row["spare_r"]) == int(row["replication_r"]) == r
+        assert math.isfinite(float(row["sim_reduction"]))
+        if check_plans(row):
+            spare, rep = _headline_plans(row, base)
+            assert (int(row["spare_r"]), int(row["replication_r"])) == (
+                spare.redundancy,
+                rep.redundancy,
+            )
+            want = 1 - spare.estimate.time_to_train_s / rep.estimate.time_to_train_s
+            assert math.isclose(float(row["closed_form_reduction"]), want, rel_tol=1e-9)
+
+
+def test_headline_quick_alone_holds_with_the_optimiser(tmp_path):
+    """--parts=headline writes the table alone (no summary.md) and agrees with analysis."""
+    done = subprocess.run(
+        [sys.executable, REPRODUCE, "--quick", "--parts=headline", "--replicas=2", "--out=out"],
+        check=False,
+        cwd=tmp_path,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"headline_by_batch.{ext}" for ext in ("csv", "md", "png")
+    ]
+    rows = _csv(str(out / "headline_by_batch.csv"))
+    assert len(rows) == 2 * 5 * len(FRAMINGS)  # both halves fit every m at 96,000 GPUs
+    _check_headline(
+        rows,
+        Scenario(gpus=96_000, work_hours=48),
+        check_plans=lambda row: int(row["microbatches"]) in (1, 16),
+    )
+    md = (out / "headline_by_batch.md").read_text()
+    assert md.count("| m | groups x GPUs |") == 2 and "Under a cap of 16,777,216 tokens" in md
+
+
+def test_committed_headline_holds_with_the_optimiser():
+    """docs/results/headline_by_batch (the full run) against analysis.optimise at 600k GPUs.
+
+    The plans of the rows without a cap at m = 1 and m = 16 (the whole-shard
+    regime and plan.py's optimum) and the capped m = 1 row are re-derived; the
+    layout and batch arithmetic of every row is checked.
+    """
+    rows = _csv(os.path.join(RESULTS, "headline_by_batch.csv"))
+    assert len(rows) == 2 * 5 * len(FRAMINGS)
+
+    def chosen(row: dict) -> bool:
+        if row["max_global_batch_tokens"]:
+            return int(row["microbatches"]) == 1 and row["framing"] == "optimum"
+        return int(row["microbatches"]) in (1, 16)
+
+    _check_headline(rows, Scenario(), check_plans=chosen)
+    # The optimum at m = 16 is the plan `python experiments/plan.py` prints.
+    top = next(
+        row
+        for row in rows
+        if not row["max_global_batch_tokens"]
+        and row["framing"] == "optimum"
+        and int(row["microbatches"]) == 16
+    )
+    head = next(
+        row
+        for row in _csv(os.path.join(RESULTS, "reduction_vs_replication.csv"))
+        if int(row["gpus"]) == 600_000
+    )
+    assert int(top["spare_r"]) == int(head["spare_r"]) and int(head["spare_m"]) == 16
+    assert math.isclose(
+        float(top["closed_form_reduction"]), float(head["closed_form_reduction"]), rel_tol=1e-9
+    )
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+
+
+def test_docs_quote_the_generated_headline_table():
+    """docs/results.md and summary.md carry the generated table verbatim; README its rows."""
+    with open(HEADLINE_MD) as f:
+        rows = _table_rows(f.read())
+    assert len(rows) == 2 * 6  # two tables: header and five rows each
+    with open(os.path.join(RESULTS, "summary.md")) as f:
+        summary = f.read()
+    with open(os.path.join(ROOT, "docs", "results.md")) as f:
+        results = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for line in rows:
+        assert line in summary and line in results, line
+    for line in rows[:6]:  # the README shows the table without a cap
+        assert line in readme, line

@@ -18,9 +18,9 @@ import jax
 import ml_collections
 import numpy as np
 import optax
-
 from lm import data as data_lib
 from lm import model as model_lib
+
 from spare_jax import checks, strategies
 from spare_jax import mesh as mesh_lib
 from spare_jax import train_step as step_lib
@@ -55,11 +55,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     """Raise ValueError naming the first bad setting of a training config."""
     strategies.canonical(config.strategy)
     strategies.check_policy(config.policy)
-    mesh = tuple(config.mesh)
-    if len(mesh) != 3:
-        raise ValueError(f"mesh must be three sizes (data, redundancy, model), got {mesh}")
-    for name, size in zip(mesh_lib.AXES, mesh, strict=True):
+    axes = mesh_axes(config)
+    for name, size in axes:
         checks.integer(f"mesh {name} size", size, low=1, high=4096)
+    mesh = (axes[0][1], axes[1][1])  # data, redundancy: the groups
     for name, high in LIMITS.items():
         checks.integer(name, config[name], low=1, high=high)
     checks.integer("slot_bound", config.slot_bound, low=0)
@@ -133,6 +132,28 @@ def _source(config: ml_collections.ConfigDict) -> data_lib.TokenSource:
     )
 
 
+def mesh_axes(config: ml_collections.ConfigDict) -> tuple[tuple[str, int], ...]:
+    """The named mesh axes: ``config.mesh_axes`` if set, else the three ``config.mesh`` sizes."""
+    named = config.get("mesh_axes", "")
+    return mesh_lib.parse_axes(named if named else tuple(config.mesh))
+
+
+def layout(mesh: jax.sharding.Mesh, params: Any) -> tuple[Any, tuple[str, ...]]:
+    """The LM's parameter specs and batch axes on a mesh with any inner axes.
+
+    The logical rules shard heads and the MLP over ``model``; on a mesh that
+    names its inner axes otherwise, over the last of them (tensor-style), and
+    a first of two or more splits each micro-batch's rows (FSDP-style).
+    """
+    specs = model_lib.param_specs(params)
+    inner = mesh_lib.inner_axes(mesh)
+    if "model" in inner:
+        return specs, ()
+    rename = lambda p: jax.P(*(inner[-1] if a == "model" else a for a in p))
+    specs = jax.tree.map(rename, specs, is_leaf=lambda x: isinstance(x, jax.P))
+    return specs, (inner[0],) if len(inner) > 1 else ()
+
+
 def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None) -> Run:
     """Mesh, model, data and the SPARe step for a config (validated here).
 
@@ -141,10 +162,11 @@ def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = No
         mesh: the mesh (default: ``config.mesh`` over the job's devices).
     """
     validate(config)
-    mesh = mesh_lib.make_mesh(tuple(config.mesh)) if mesh is None else mesh
+    mesh = mesh_lib.make_mesh(mesh_axes(config)) if mesh is None else mesh
     kind = strategies.canonical(config.strategy)
     cfg = model_lib.ModelConfig(**config.model)
     graphdef, params = model_lib.init_params(cfg, config.seed)
+    specs, batch_axes = layout(mesh, params)
     tx = make_optimizer(
         config.learning_rate,
         config.warmup_steps,
@@ -160,7 +182,8 @@ def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = No
         redundancy=1 if kind == "dp" else int(config.redundancy),
         microbatches=int(config.microbatches),
         policy=config.policy,
-        param_specs=model_lib.param_specs(params),
+        param_specs=specs,
+        batch_axes=batch_axes,
         slot_bound=int(config.slot_bound) or None,
     )
     units = step.placement.shards * step.placement.shard_units * step.microbatches

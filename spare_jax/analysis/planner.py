@@ -33,6 +33,7 @@ from scipy import optimize
 
 from spare_jax import checks, strategies
 from spare_jax.analysis import checkpointing, endurance, overhead_model, renewal, weights
+from spare_jax.analysis.batch import Batch
 from spare_jax.scenario import Scenario
 
 __all__ = [
@@ -284,11 +285,14 @@ def _candidates(
     policy: str,
     redundancies: Iterable[int],
     microbatches: Iterable[int],
+    batch: Batch | None = None,
 ) -> list[tuple[int, int]]:
     """The (r, m) pairs `optimise` evaluates, every candidate checked first.
 
-    r > G, and r not dividing G for replication, are skipped; any other bad
-    candidate raises ValueError before anything is computed.
+    r > G, and r not dividing G for replication, are skipped; so is an m whose
+    global batch `G * m * b` exceeds `batch`'s cap. Any other bad candidate, a
+    cap below one micro-batch per group, or a cap no listed m fits raises
+    ValueError before anything is computed.
     """
     _check_scenario(scenario)
     kind = strategies.canonical(strategy)
@@ -297,9 +301,22 @@ def _candidates(
     ms = [checks.integer("microbatches", m, low=1) for m in microbatches]
     if not rs or not ms:
         raise ValueError("redundancies and microbatches must each list at least one value")
+    g = scenario.groups
+    if batch is not None:
+        if not isinstance(batch, Batch):
+            raise ValueError(f"batch must be a Batch, got {type(batch).__name__}")
+        batch.check_groups(g)
+        fit = batch.fits(g, ms)
+        if kind == "spare" and policy == "adaptive" and not fit.any():
+            raise ValueError(
+                f"no micro-batch count in {ms} fits max_global_batch_tokens="
+                f"{batch.max_global_batch_tokens:,} at {g:,} groups and "
+                f"{batch.microbatch_tokens:,} tokens a micro-batch "
+                f"(m <= {batch.max_microbatches(g)})"
+            )
+        ms = [m for m, ok in zip(ms, fit.tolist(), strict=True) if ok]
     if kind == "dp":
         return [(1, 1)]
-    g = scenario.groups
     out = []
     for r in rs:
         if r > g or (kind == "replication" and g % r):
@@ -319,6 +336,7 @@ def optimise(
     redundancies: Iterable[int] = DEFAULT_REDUNDANCIES,
     microbatches: Iterable[int] = DEFAULT_MICROBATCHES,
     progress: Callable[[], object] | None = None,
+    batch: Batch | None = None,
 ) -> Plan:
     """Minimise expected time-to-train over redundancy, checkpoint interval and m.
 
@@ -335,15 +353,19 @@ def optimise(
             dividing G for replication, are skipped).
         microbatches: candidate m values, integers >= 1 (SPARe adaptive).
         progress: optional callable invoked once per candidate (e.g. a tqdm update).
+        batch: the micro-batch size and a cap on the global batch `G * m * b`
+            (`analysis.Batch`); the search keeps to m whose batch fits. None:
+            no cap.
 
     Returns:
         The best `Plan`.
 
     Raises:
-        ValueError: a bad argument or candidate, or no feasible candidate.
+        ValueError: a bad argument or candidate, a cap below one micro-batch per
+            group, or no feasible candidate.
     """
     redundancies, microbatches = tuple(redundancies), tuple(microbatches)
-    candidates = _candidates(scenario, strategy, policy, redundancies, microbatches)
+    candidates = _candidates(scenario, strategy, policy, redundancies, microbatches, batch)
     best: Plan | None = None
     for r, m in candidates:
         est = time_to_train(scenario, strategy, redundancy=r, microbatches=m, policy=policy)
@@ -366,13 +388,14 @@ def candidate_count(
     policy: str = "adaptive",
     redundancies: Iterable[int] = DEFAULT_REDUNDANCIES,
     microbatches: Iterable[int] = DEFAULT_MICROBATCHES,
+    batch: Batch | None = None,
 ) -> int:
     """Number of (r, m) evaluations `optimise` will make (for progress bars).
 
     Checks every candidate as `optimise` does, so a caller can refuse a bad
     search before any work.
     """
-    return len(_candidates(scenario, strategy, policy, redundancies, microbatches))
+    return len(_candidates(scenario, strategy, policy, redundancies, microbatches, batch))
 
 
 def clear_caches() -> None:

@@ -1,0 +1,118 @@
+"""Groups that span processes (HSDP across hosts), each process reading only its own rows.
+
+``experiments/regression.py`` under ``python -m spare_jax.launch`` with a named
+mesh whose groups are two processes each, ``--input=units`` (each process asks
+for the micro-batches of its own group's stack, and only its part of their
+rows). One process is SIGKILLed from outside mid-run, between checkpoints (a
+loss during a save of such a job waits in Orbax's barrier and ends in a
+relaunch: docs/multihost.md): its whole group is
+masked, the group's other process leaves (exit 77), and the job ends 0
+without a relaunch. Every surviving process's parameters equal a
+single-device `jax.grad` + optax run over the same batches (rtol 1e-5,
+atol 1e-6); every step read ``r * m * b / parts`` rows per held group.
+
+Slow (each test is one multi-process job of 1-3 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+
+import jax
+import launching as lj
+import numpy as np
+import optax
+import pytest
+
+sys.path.insert(0, str(lj.ROOT / "experiments"))
+import regression
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+
+# processes, devices per process, mesh, groups, row parts per unit, the victim, its group-mate
+CASES = {
+    "8x1_fsdp": (8, 1, "data:1,redundancy:4,fsdp:2", 4, 2, 3, 2),
+    "4x2_fsdp_tensor": (4, 2, "data:1,redundancy:2,fsdp:2,tensor:2", 2, 2, 2, 3),
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return lj.env(tmp_path_factory.mktemp("jax_cache"))
+
+
+def reference(groups: int) -> dict[str, np.ndarray]:
+    """regression.py's model trained failure-free on one device with jax.grad."""
+    dev = jax.devices()[0]
+    params = jax.device_put(regression.init_params(), dev)
+    tx = regression.OPTIMIZER
+    opt = tx.init(params)
+    grad = jax.jit(jax.grad(regression.loss_fn))
+    rows = groups * regression.MICROBATCHES * regression.ROWS
+    for t in range(STEPS):
+        batch = jax.device_put(regression.batches(t, rows), dev)
+        updates, opt = tx.update(grad(params, batch), opt, params)
+        params = optax.apply_updates(params, updates)
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+def rows_loaded(workdir, process: int) -> int:
+    log = (workdir / "launch" / f"worker-{process}.log").read_text(errors="replace")
+    return int(re.findall(r"done: step \d+, loss \S+, rows loaded (\d+)", log)[-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, case):
+    processes, devices, mesh, groups, parts, victim, mate = CASES[case]
+    worker = lj.regression_command(
+        tmp_path, f"--steps={STEPS}", "--checkpoint_steps=50", f"--mesh={mesh}", "--input=units"
+    )
+    command = [
+        lj.PYTHON,
+        "-m",
+        "spare_jax.launch",
+        f"--processes={processes}",
+        f"--devices_per_process={devices}",
+        "--heartbeat_s=5",
+        # 8 processes on 2 busy cores: a peer still compiling must not read as dead.
+        "--collective_timeout_s=10",
+        f"--launch_dir={tmp_path / 'launch'}",
+        "--",
+        *worker,
+    ]
+    job = lj.Job(command, tmp_path, env)
+    try:
+        job.wait_for(job.step_reached(4), timeout=400, what="step 4")
+        job.signal(victim, signal.SIGKILL)
+        code = job.finish(timeout=400)
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    survivors = [p for p in range(processes) if p not in (victim, mate)]
+    want = reference(groups)
+    if lj.gloo_aborted(tmp_path):  # a neighbour aborted in Gloo (docs/multihost.md)
+        assert lj.events(tmp_path, "relaunch")
+    else:
+        failures = lj.events(tmp_path, "process_failure")
+        assert failures[0]["process"] == [victim]
+        assert not lj.events(tmp_path, "relaunch") and not lj.events(tmp_path, "resume")
+        lj.assert_params(tmp_path, want, survivors)
+        assert not (tmp_path / f"params-{mate}.npz").exists()  # it left with its group
+        assert "exited with status 77" in job.output()
+        summary = lj.summary(tmp_path)
+        assert summary["live_groups"] == groups - 1
+        assert sorted(summary["lost_processes"]) == sorted([victim, mate])
+    lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
+    # Each process read its own group's stack only: r * m units, b / parts rows of each.
+    per_step = 2 * regression.MICROBATCHES * regression.ROWS // parts
+    global_rows = groups * regression.MICROBATCHES * regression.ROWS
+    steps = [r for r in lj.records(tmp_path) if "loss" in r]
+    assert {r["input_rows"] for r in steps} == {per_step}
+    for p in survivors:
+        loaded = rows_loaded(tmp_path, p)
+        assert loaded <= (STEPS + 4) * per_step < STEPS * global_rows, (p, loaded)
+    lj.no_process_left(tmp_path)
