@@ -116,7 +116,12 @@ def fingerprints(stacks: Any) -> np.ndarray:
     Args:
         stacks: a pytree of global arrays ``[G, S, b, ...]`` on one mesh (`SpareStep.stacks`).
     """
-    out = _executable(stacks)(stacks)
+    try:
+        out = _executable(stacks)(stacks)
+    except ValueError as err:  # an AOT executable reports a failed collective as ValueError
+        if str(err).startswith(("UNKNOWN:", "INTERNAL:", "DEADLINE_EXCEEDED:", "ABORTED:")):
+            raise jax.errors.JaxRuntimeError(str(err)) from None
+        raise
     return np.asarray(out.addressable_shards[0].data, np.uint32)
 
 

@@ -144,9 +144,12 @@ def reduce_step(
     grad_sum, loss_sum = synced(state.params, stacks, table)
     if single:
         grad_sum, loss_sum = jax.tree.map(lambda x: x[0], (grad_sum, loss_sum))
-    squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grad_sum))
-    finite = jnp.isfinite(loss_sum) & jnp.isfinite(squares)
-    return grad_sum, loss_sum, finite
+    return grad_sum, loss_sum, jnp.isfinite(loss_sum) & jnp.isfinite(_squares(grad_sum))
+
+
+def _squares(grads: Any) -> jax.Array:
+    """The sum of every gradient element's square, in float32 (one pass over the gradients)."""
+    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
 
 
 def update_step(
@@ -156,13 +159,16 @@ def update_step(
     denom: jax.Array,
     *,
     tx: optax.GradientTransformation,
+    grad_norm: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """The optimizer update from a `reduce_step`'s sums: divide by ``G * m``, apply ``tx``.
 
     No collective crosses groups here: every group updates its own replica.
+    ``grad_norm``, when the caller has it, saves a pass over the gradients.
     """
     grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grad_sum)
-    grad_norm = optax.tree.norm(grads)
+    if grad_norm is None:
+        grad_norm = optax.tree.norm(grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -199,15 +205,23 @@ def train_step(
         loss. When the loss or the gradient is not finite the state is
         returned unchanged and ``finite`` is False.
     """
-    grad_sum, loss_sum, finite = reduce_step(
+    grad_sum, loss_sum, _ = reduce_step(
         state, stacks, table, loss_fn=loss_fn, mesh=mesh, accum_dtype=accum_dtype
     )
-    new, metrics = update_step(state, grad_sum, loss_sum, table.denom, tx=tx)
+    # One pass over the gradients for both the finite check and the norm.
+    norm = jnp.sqrt(_squares(grad_sum)) / table.denom
+    finite = jnp.isfinite(loss_sum) & jnp.isfinite(norm)
+
+    def apply(st: TrainState) -> tuple[TrainState, jax.Array]:
+        new, metrics = update_step(st, grad_sum, loss_sum, table.denom, tx=tx, grad_norm=norm)
+        return new, metrics["grad_norm"]
+
     # A non-finite step keeps the state it started from, so the last good state
-    # survives to be saved (the caller sees metrics["finite"] is False). With the
-    # state donated, XLA selects in place: one state lives, not two.
-    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-    return new, {**metrics, "finite": finite}
+    # survives to be saved (the caller sees metrics["finite"] is False). A cond, not
+    # a select over the whole state: with the state donated, one state lives.
+    keep = lambda st: (st, jnp.asarray(jnp.nan, jnp.float32))
+    new, grad_norm = jax.lax.cond(finite, apply, keep, state)
+    return new, {"loss": loss_sum / table.denom, "grad_norm": grad_norm, "finite": finite}
 
 
 def _spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
@@ -508,7 +522,8 @@ class SpareStep:
 
         programs = {  # jit compiles on first call: only the programs used are built
             "step": jax.jit(fused, out_shardings=(state_sh, self._rep), donate_argnums=donate),
-            "reduce": jax.jit(reduce, out_shardings=self._rep),
+            # The gradient sum laid out as the parameters (sharded over FSDP axes, not whole).
+            "reduce": jax.jit(reduce, out_shardings=(state_sh.params, self._rep, self._rep)),
             "update": jax.jit(
                 lambda st, g, l, d: update_step(st, g, l, d, tx=self.tx),
                 out_shardings=(state_sh, self._rep),
@@ -551,7 +566,11 @@ class SpareStep:
             grad_sum, loss_sum, _ = reduce.out_info
             update = programs["update"].lower(
                 abstract_state,
-                jax.tree.map(lambda x: rep(x.shape, x.dtype), grad_sum),
+                jax.tree.map(
+                    lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding),
+                    grad_sum,
+                    abstract_state.params,
+                ),
                 rep((), loss_sum.dtype),
                 table.denom,
             )

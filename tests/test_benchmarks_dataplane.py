@@ -162,3 +162,19 @@ def test_unwritable_out_is_refused_before_measuring(script, target, tmp_path):
     assert len(lines) == 1 and "--out" in lines[0], result.stderr
     assert result.stdout == ""  # nothing measured
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # starts processes: run after the README's command
+def test_hsdp_benchmark_tiny(tmp_path):
+    """Three inner layouts timed against a hand HSDP step; the split forms alias the state."""
+    out = tmp_path / "hsdp.json"
+    result = _run("hsdp.py", "--tiny", "--steps=2", "--warmup=1", f"--out={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert [r["layout"] for r in figures["versus_hand"]] == ["fsdp", "tensor", "fsdp x tensor"]
+    assert all(_positive(r["ratio"]) for r in figures["versus_hand"])
+    for row in figures["memory"]:
+        donated = row["form"] in ("fused donated", "split: update")
+        assert (row["aliased"] >= row["state"]) if donated else row["aliased"] == 0, row
+        peak = row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
+        assert row["peak"] == peak
