@@ -29,6 +29,9 @@ __all__ = ["Job", "Options", "Worker", "say"]
 
 # srun's own report of a task that did not exit 0 (a range when several did the same)
 _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (.*)$")
+# The runtime's own log lines (Gloo's connection notes, absl/XLA's I/W/E/F lines): never
+# a worker's last word, which is its error.
+_RUNTIME_LOG = re.compile(r"^(\[Gloo\]|[IWEF]\d{4} \d\d:\d\d)")
 _SRUN_SIGNALS = {"Killed": -9, "Terminated": -15, "Aborted": -6, "Segmentation fault": -11}
 
 
@@ -171,7 +174,7 @@ class Job:
             self._on_event(worker, line[event + len(runlog.EVENT) :])
         elif line.startswith(runlog.NOTICE):
             self._relay(worker, line[len(runlog.NOTICE) :].strip())
-        elif line.strip():
+        elif line.strip() and not _RUNTIME_LOG.match(line):
             worker.last_line = line.strip()
             worker.tail.feed(line)
 
