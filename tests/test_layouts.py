@@ -14,12 +14,13 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_library import assert_close, random_alive
+from test_library import reference as library_reference
 
 import spare_jax
-from spare_jax import inputs, reorder
+from spare_jax import inputs
 from spare_jax import mesh as mesh_lib
 
-RTOL, ATOL = 1e-5, 1e-6
 B = 4  # rows of one micro-batch
 M = 2  # micro-batches per group
 
@@ -89,31 +90,8 @@ def make_step(layout, tx=None, **kw):
 
 
 def reference(params, tx, batches, units):
-    params = jax.tree.map(jnp.asarray, params)
-    opt_state = tx.init(params)
-
-    def global_loss(p, batch):
-        micro = jax.tree.map(lambda x: x.reshape(units, -1, *x.shape[1:]), batch)
-        return jnp.mean(jax.vmap(loss_fn, in_axes=(None, 0))(p, micro))
-
-    for batch in batches:
-        grads = jax.grad(global_loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-def random_alive(placement, rng):
-    while True:
-        alive = rng.random(placement.groups) > 0.4
-        if not alive.all() and reorder.uncovered(placement, alive).size == 0:
-            return alive
-
-
-def assert_close(a, b):
-    jax.tree.map(
-        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), RTOL, ATOL), a, b
-    )
+    """The single-device `jax.grad` + optax reference of tests/test_library.py, on this model."""
+    return library_reference(params, loss_fn, tx, batches, units)
 
 
 # ------------------------------------------------------------------ the mesh
