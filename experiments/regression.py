@@ -123,17 +123,21 @@ def main(argv: list[str]) -> None:
     groups = axes["data"] * axes["redundancy"]
     if groups < 2:
         raise app.UsageError(f"--mesh must have 2 or more groups (data x redundancy), got {text}")
-    mesh = spare_jax.make_mesh(shape)
-    specs, batch_axes = layout(mesh)
-    step = spare_jax.make_train_step(
-        loss_fn,
-        OPTIMIZER,
-        mesh,
-        redundancy=2,
-        microbatches=MICROBATCHES,
-        param_specs=specs,
-        batch_axes=batch_axes,
-    )
+    try:
+        mesh = spare_jax.make_mesh(shape)
+        specs, batch_axes = layout(mesh)
+        step = spare_jax.make_train_step(
+            loss_fn,
+            OPTIMIZER,
+            mesh,
+            redundancy=2,
+            microbatches=MICROBATCHES,
+            param_specs=specs,
+            batch_axes=batch_axes,
+        )
+        step.state_shardings(init_params())  # the specs against the parameters' shapes
+    except ValueError as err:
+        raise app.UsageError(f"--mesh: {err}") from None
     result = spare_jax.fit(
         step,
         init_params(),

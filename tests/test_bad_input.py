@@ -44,6 +44,7 @@ BENCH_SIM = "benchmarks/sim.py"
 TRAIN = "experiments/train.py"
 LAUNCH = "experiments/launch.py"
 LAUNCHER = "spare_jax/launch.py"
+REGRESSION = "experiments/regression.py"
 VALIDATE = "experiments/validate.py"
 BINARIES = (
     PLAN,
@@ -55,6 +56,7 @@ BINARIES = (
     TRAIN,
     LAUNCH,
     VALIDATE,
+    REGRESSION,
 )
 # A file the working directory holds, for output locations that name a file.
 BLOCKER = "blocker.txt"
@@ -265,6 +267,14 @@ CASES = [
         ),
     ),
     *_cases(
+        REGRESSION,
+        (("--mesh=data:1,fsdp",), "a mesh axis without a size"),
+        (("--mesh=1,2",), "two mesh sizes"),
+        (("--mesh=data:1,redundancy:1,fsdp:2",), "a mesh of one group"),
+        (("--mesh=data:1,redundancy:4,fsdp:3",), "a mesh larger than the devices"),
+        (("--input=shards",), "an unknown input form"),
+    ),
+    *_cases(
         VALIDATE,
         (("--groups=abc",), "malformed list"),
         (("--groups=1",), "too few groups"),
@@ -349,7 +359,7 @@ def assert_refused(outcome: Outcome, what: str) -> None:
 
 # The binaries that import JAX take about 3 s to refuse anything: beyond the
 # rows every binary has, theirs run with the slow tests.
-_HEAVY = (TRAIN, LAUNCH)
+_HEAVY = (TRAIN, LAUNCH, REGRESSION)
 
 
 def _param(case: Case):
