@@ -273,6 +273,8 @@ CASES = [
         (("--mesh=data:1,redundancy:1,fsdp:2",), "a mesh of one group"),
         (("--mesh=data:1,redundancy:4,fsdp:3",), "a mesh larger than the devices"),
         (("--input=shards",), "an unknown input form"),
+        (("--steps=0",), "zero steps"),
+        (("--workdir=",), "empty work directory"),
     ),
     *_cases(
         VALIDATE,
