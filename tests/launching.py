@@ -242,7 +242,12 @@ class Job:
 
     def signal(self, process: int, sig: int) -> int:
         """Send ``sig`` to worker ``process``; its pid."""
-        pid = pids_of(self.workdir)[process]
+        pids = pids_of(self.workdir)
+        assert process in pids, (
+            f"worker {process} is not running (live: {sorted(pids)}):\n{self.output()[-3000:]}"
+            f"\n{self.worker_logs()}"
+        )
+        pid = pids[process]
         os.kill(pid, sig)
         return pid
 

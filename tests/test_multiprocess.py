@@ -252,7 +252,13 @@ def test_a_second_kill_during_the_survivors_recovery_is_masked(env, tmp_path, re
         job.wait_for(job.step_reached(3), what="step 3")
         job.signal(1, signal.SIGKILL)
         job.wait_for(lambda: "declared dead" in job.output(), what="the first loss detected")
-        job.signal(3, signal.SIGKILL)  # the survivors are rebuilding their step right now
+        try:
+            job.signal(3, signal.SIGKILL)  # the survivors are rebuilding their step right now
+        except (AssertionError, ProcessLookupError):
+            # On CPU a neighbour of the first victim can abort in Gloo with it
+            # (assert_masked): the job is already rolling back, 3 with it.
+            if not lj.gloo_aborted(tmp_path):
+                raise
         code = job.finish()
     finally:
         job.close()
