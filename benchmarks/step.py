@@ -28,6 +28,12 @@ drifting on a shared machine hits both sides of a ratio alike.
    (``step.stacks``), the cached and uncached slot table, and the entry point
    called with a batch that is already a device array.
 
+5. `spare_jax.fit`'s loop vs a hand loop of ``step(state, batch, alive)``.
+6. The step split by failure domain, as every multi-process job runs it
+   (`spare_jax.domains`: the domain's gradients, the cross-group sum, the
+   update), vs the fused step of one process: the time ratio, target <= 1.02,
+   and each program's compile time.
+
 ``--tiny`` shrinks the model and keeps one mesh (8x1x1) and whole shards: a
 smoke run for tests, whose figures are not measurements. ``--out`` writes the
 results as JSON to that one file (checked before anything is measured).
@@ -51,7 +57,7 @@ import optax
 from absl import app, flags
 
 import spare_jax
-from spare_jax import cli, reorder
+from spare_jax import cli, domains, reorder
 
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
@@ -392,6 +398,47 @@ def fit_loop(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[str
     return rows
 
 
+def split_vs_fused(benches: Benches, shapes: Sequence[tuple], m: int) -> list[dict[str, Any]]:
+    """Section 6: the multi-process step split by failure domain vs the fused step.
+
+    The split runs as a multi-process job runs it (`domains.Split`, one domain
+    over the whole mesh here): the domain's gradient program, the cross-group
+    sum, a host read of the finite flag, then the donating update.
+    """
+    print("\n6. the step split by failure domain (gradients, cross, update) vs the fused step")
+    print(f"{'mesh':>6} {'m':>2} {'fused s':>9} {'split s':>9} {'ratio':>6}  target <= 1.02")
+    rows = []
+    for shape in shapes:
+        fused = benches.get(shape, "spare", 2, m)
+        split = Bench(benches.lm, shape, "spare", 2, m, benches.batch)
+        base = split.step
+        program = domains.Split(base.loss_fn, base.tx, base.mesh, base.rows, base.accum_dtype)
+        split.step = base.on_mesh(base.mesh, base.rows, domain=program)
+        table, _ = fused.step.table(fused.alive())
+        split_table, _ = split.step.table(split.alive())
+        times = interleaved(
+            [
+                lambda b=fused, tb=table: b.run(tb),
+                lambda b=split, tb=split_table: b.run(tb),
+            ]
+        )
+        row = {
+            "mesh": mesh_name(shape),
+            "m": m,
+            "fused_s": float(np.median(times[:, 0])),
+            "split_s": float(np.median(times[:, 1])),
+            "ratio": ratio(times, 1, 0),
+            "compiled": dict(program.compiles),
+            "compile_s": {k: round(v, 4) for k, v in program.compile_s.items()},
+        }
+        rows.append(row)
+        print(
+            f"{row['mesh']:>6} {m:>2} {row['fused_s']:9.4f} {row['split_s']:9.4f} "
+            f"{row['ratio']:6.3f}  compile s: {row['compile_s']}"
+        )
+    return rows
+
+
 def main(argv: list[str]) -> None:
     del argv
     cli.output_file("out", _OUT.value)
@@ -447,6 +494,7 @@ def main(argv: list[str]) -> None:
     results["memory"] = memory(benches, meshes, m_free)
     results["entry_point"] = entry_point(benches, meshes, m_free)
     results["fit_loop"] = fit_loop(benches, meshes, m_free)
+    results["split_vs_fused"] = split_vs_fused(benches, meshes, m_free)
     if _OUT.value:
         with cli.replace_file(_OUT.value) as f:
             json.dump(results, f, indent=1)

@@ -72,7 +72,7 @@ def accumulator(dtype: Any, accum_dtype: Any) -> np.dtype:
     return np.dtype(jnp.promote_types(dtype, accum_dtype))
 
 
-def _group_gradients(
+def group_gradients(
     loss_fn: LossFn,
     params: Any,
     stacks: Any,
@@ -135,7 +135,7 @@ def reduce_step(
     # XLA refuses a psum over group axes of size 1 beside automatic inner axes.
     single = mesh_lib.num_groups(mesh) == 1
     synced = jax.shard_map(
-        lambda p, s, t: _group_gradients(loss_fn, p, s, t, accum_dtype, reduce=not single),
+        lambda p, s, t: group_gradients(loss_fn, p, s, t, accum_dtype, reduce=not single),
         mesh=mesh,
         in_specs=(PartitionSpec(), group, table_specs),
         out_specs=group if single else PartitionSpec(),
@@ -332,6 +332,7 @@ class SpareStep:
         batch_axes: Sequence[str] = (),
         accum_dtype: Any = jnp.float32,
         split: bool = False,
+        domain: Any = None,
     ):
         self.loss_fn, self.tx, self.mesh, self.placement = loss_fn, tx, mesh, placement
         self.donate = bool(donate)
@@ -361,7 +362,8 @@ class SpareStep:
         self.stack_sharding = NamedSharding(
             mesh, PartitionSpec(mesh_lib.GROUP_AXES, None, rows_spec)
         )
-        self.split = bool(split)
+        self.split = bool(split) or domain is not None
+        self.domain = domain  # a `domains.Split`: the step split by failure domain
         self._jitted: dict[int, dict[str, Callable[..., Any]]] = {}  # programs by slot bound
         self._aot: dict[int, dict[str, Any]] = {}  # ahead-of-time executables by slot bound
         self._gathers: dict[int, Callable[..., Any]] = {}  # device-batch layout, by rows
@@ -560,6 +562,9 @@ class SpareStep:
         abstract_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
+        if self.domain is not None:
+            self.domain.precompile(self.mesh, abstract_state, abstract_stacks, table)
+            return time.perf_counter() - start
         programs = self._programs(abstract_state)
         if self.split:
             reduce = programs["reduce"].lower(abstract_state, abstract_stacks, table)
@@ -582,6 +587,8 @@ class SpareStep:
 
     def compiled(self) -> bool:
         """Whether the programs for the current slot bound are compiled ahead of time."""
+        if self.domain is not None:
+            return self.domain.ready(self.mesh)
         return self.slot_bound in self._aot
 
     def _program(self, name: str, state: Any) -> Callable[..., Any]:
@@ -611,6 +618,9 @@ class SpareStep:
         """
         self._check_loss(state, stacks)
         with jax.transfer_guard("disallow"):
+            if self.domain is not None:
+                mine = self.domain.gradients(state.params, stacks, table)
+                return self.domain.cross(self.mesh, [mine])
             return self._program("reduce", state)(state, stacks, table)
 
     def update(
@@ -618,6 +628,9 @@ class SpareStep:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """Apply a `reduce`'s sums to ``state`` (donated): the new state and its metrics."""
         with jax.transfer_guard("disallow"):
+            if self.domain is not None:
+                new, metrics = self.domain.update(state, grad_sum, loss_sum, table.denom)
+                return self.domain.lift(self.mesh, [new]), metrics
             return self._program("update", state)(state, grad_sum, loss_sum, table.denom)
 
     def memory(self, state: TrainState, stacks: Any) -> dict[str, int]:
@@ -660,11 +673,13 @@ class SpareStep:
         *,
         donate: bool | None = None,
         split: bool | None = None,
+        domain: Any = None,
     ) -> SpareStep:
         """The same step over another mesh whose groups are the original groups ``rows``.
 
         Survivors of a real failure use it to continue on their own devices.
-        ``donate`` and ``split`` default to this step's.
+        ``donate``, ``split`` and ``domain`` (the `domains.Split` whose
+        compiled programs the new step shares) default to this step's.
         """
         return SpareStep(
             self.loss_fn,
@@ -680,6 +695,7 @@ class SpareStep:
             batch_axes=self.batch_axes,
             accum_dtype=self.accum_dtype,
             split=self.split if split is None else split,
+            domain=self.domain if domain is None else domain,
         )
 
 

@@ -41,7 +41,17 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import checkpoint as ckpt_lib
-from spare_jax import errors, fingerprint, inputs, liveness, multihost, rejoin, reorder, runlog
+from spare_jax import (
+    domains,
+    errors,
+    fingerprint,
+    inputs,
+    liveness,
+    multihost,
+    rejoin,
+    reorder,
+    runlog,
+)
 from spare_jax import mesh as mesh_lib
 from spare_jax import train_step as step_lib
 
@@ -128,10 +138,10 @@ class Trainer:
                     f"the mesh leaves process(es) {idle} without devices: build it over every "
                     "process's devices (spare_jax.make_mesh), each holding whole groups"
                 )
-        if self.multi:  # a reduction, then an update that alone takes (donates) the state
-            step = step.on_mesh(step.mesh, step.rows, split=True)
-        self.step, self.params0, self.batches = step, params, batches
         self._template = step  # what a re-join rebuilds the step from, on any mesh
+        if self.multi:  # split by failure domain: a loss elsewhere never recompiles ours
+            step = step.on_mesh(step.mesh, step.rows, domain=self._split_for(step.mesh))
+        self.step, self.params0, self.batches = step, params, batches
         self.workdir, self.total, self.failures = workdir, steps, failures
         self.warmup, self.max_rollbacks = warmup_steps, max_rollbacks
         self.on_step, self.fault_hook = on_step, fault_hook
@@ -188,6 +198,19 @@ class Trainer:
         self._check_input = True  # the batch contract, at a job's first step (`_check_batch`)
         self.input_rows = 0  # rows this process read from `batches`, every (re)load included
         self._next: tuple[Any, int, Any, int] | None = None  # a prefetched step's input
+
+    def _split_for(self, full: Mesh) -> domains.Split:
+        """This process's failure domain's programs, over ``full``'s devices (the job's mesh)."""
+        rows = domains.domain_of(multihost.group_processes(full), jax.process_index())
+        mesh = multihost.survivors_mesh(multihost.group_devices(full), rows, full)
+        t = self._template
+        return domains.Split(t.loss_fn, t.tx, mesh, rows, t.accum_dtype)
+
+    def compiled(self) -> dict[str, int]:
+        """Programs this process compiled for its step, by kind (the split step's three)."""
+        split = self.step.domain if self.step is not None else None
+        counts = dict(split.compiles) if split is not None else {}
+        return {**counts, "step": self.step.compiles if self.step is not None else 0}
 
     # ------------------------------------------------------------------ roles
 
@@ -446,8 +469,10 @@ class Trainer:
         stacks, rows = inputs.load(step, self.batches, self.t)  # the same units: no new data
         self.input_rows += rows
         self._next = (step, self.t, stacks, rows)
+        before = self.compiled()
         compile_s = 0.0 if step.compiled() else step.precompile(self.state, stacks)
         self.step, self._ready = step, {}
+        recompiled = {k: n - before.get(k, 0) for k, n in self.compiled().items()}
         self.lost_processes = sorted({*self.lost_processes, *dead_procs, *leaving})
         self.members -= {*dead_procs, *leaving}
         self.failures.fail(dead_groups, self.t, repair=False)  # no devices to re-join with
@@ -468,6 +493,7 @@ class Trainer:
             detect_s=round(detected - origin, 6),
             rebuild_s=round(rebuilt - detected, 6),
             compile_s=round(compile_s, 6),
+            compiled={k: n for k, n in recompiled.items() if n},
         )
         runlog.notice(
             f"process(es) {dead_procs} (groups {dead_groups}) declared dead during step "
@@ -584,6 +610,7 @@ class Trainer:
         self.step = self._template.on_mesh(
             multihost.survivors_mesh(self._by_group, live, self._template.mesh),
             np.asarray(live),
+            domain=self._split_for(full),  # a new backend: its programs are new too
         )
         shardings = jax.tree.map(lambda sp: NamedSharding(self.step.mesh, sp), specs)
         self.state = multihost.from_local(host_state, shardings)
@@ -738,7 +765,7 @@ class Trainer:
             "attempt": self.attempt,
             "overhead": load / self.step.microbatches,
             "grad_norm": float(metrics["grad_norm"]),
-            "compiles": self.step.compiles,
+            "compiles": sum(self.compiled().values()),
             "exact": self.step.policy != "drop",
             "input_rows": rows,
         }

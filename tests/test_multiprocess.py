@@ -165,6 +165,34 @@ def test_two_kills_close_together(env, tmp_path, reference, victims, masked):
     lj.no_process_left(tmp_path)
 
 
+def test_two_losses_apart_recompile_only_the_cross_program(env, tmp_path, reference):
+    """The step split by failure domain: each loss compiles the small cross-group sum, never
+    a survivor's gradient or update program (the records' compile count grows by one)."""
+    job = _start(env, tmp_path)
+    try:
+        job.wait_for(job.step_reached(3), what="step 3")
+        job.signal(1, signal.SIGKILL)
+        job.wait_for(
+            lambda: lj.events(tmp_path, "recovered") or lj.gloo_aborted(tmp_path),
+            what="the first recovery",
+        )
+        if not lj.gloo_aborted(tmp_path):
+            reached = max(r["step"] for r in lj.records(tmp_path) if "loss" in r)
+            job.wait_for(job.step_reached(reached + 3), what="three steps on the survivors")
+            job.signal(3, signal.SIGKILL)
+        code = job.finish()
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    if lj.assert_masked(tmp_path, reference, [1, 3], STEPS):
+        failures = lj.events(tmp_path, "process_failure")
+        assert [f["process"] for f in failures] == [[1], [3]]
+        assert [f["compiled"] for f in failures] == [{"cross": 1}] * 2, failures
+        compiles = [r["compiles"] for r in lj.records(tmp_path) if "loss" in r]
+        assert compiles[-1] - compiles[0] == 2, compiles
+    lj.no_process_left(tmp_path)
+
+
 def test_a_killed_launcher_takes_its_workers_and_a_rerun_resumes(env, tmp_path):
     job = _start(env, tmp_path, steps=200)
     try:
