@@ -262,6 +262,9 @@ def emit(kind: str, **fields: Any) -> None:
 STEP_PHASES = ("data", "step", "sync")
 BUSY_PHASES = ("checkpoint", "restore", "compile", "join", "finish")
 _REPORT_S = 0.5  # how often the reporter looks at the position
+# A busy phase is said again this often: a compile or a restore of a large model takes
+# minutes, and the launcher's no-progress watches count what it hears as progress.
+_BUSY_REPEAT_S = 10.0
 
 
 class _Position:
@@ -271,6 +274,7 @@ class _Position:
         self.now: tuple[int, str] | None = None
         self.step_s = 0.0
         self.sent: tuple[int, str] | None = None
+        self.sent_s = 0.0  # time.monotonic() of the last send
         self.thread: threading.Thread | None = None
 
 
@@ -298,11 +302,11 @@ def at(step: int, phase: str, *, step_s: float | None = None) -> None:
         atexit.register(_send)  # a worker that fails says where, however soon after a change
 
 
-def _send() -> None:
+def _send(again: bool = False) -> None:
     now = _POSITION.now
-    if now is None or now == _POSITION.sent:
+    if now is None or (now == _POSITION.sent and not again):
         return
-    _POSITION.sent = now
+    _POSITION.sent, _POSITION.sent_s = now, time.monotonic()
     emit("at", step=now[0], phase=now[1], step_s=round(_POSITION.step_s, 6))
 
 
@@ -312,12 +316,15 @@ def evict_marker(launch_dir: str, host: str, pid: int) -> str:
 
 
 def _report() -> None:
-    """The reporter thread: send the position whenever it changed; leave when evicted."""
+    """The reporter thread: send the position whenever it changed, a busy one every
+    `_BUSY_REPEAT_S` too; leave when evicted."""
     marker = evict_marker(
         os.environ.get("SPARE_JAX_LAUNCH_DIR", ""), socket.gethostname(), os.getpid()
     )
     while True:
         time.sleep(_REPORT_S)
-        _send()
+        now = _POSITION.now
+        busy = now is not None and now[1] in BUSY_PHASES
+        _send(again=busy and time.monotonic() - _POSITION.sent_s >= _BUSY_REPEAT_S)
         if os.path.exists(marker):  # the launcher evicted us and cannot reach our pid
             os.kill(os.getpid(), signal.SIGKILL)

@@ -4,6 +4,7 @@ the job's own launch directory, and the binaries run as modules."""
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 
 import launching as lj
@@ -133,6 +134,24 @@ def test_a_busy_phase_is_sent_at_once_under_a_launcher(monkeypatch, capsys, tmp_
     assert (
         out == 'spare-jax-event: {"kind": "at", "step": 5, "phase": "checkpoint", "step_s": 0.25}\n'
     )
+
+
+def test_a_long_busy_phase_is_said_again_so_the_launcher_sees_progress(
+    monkeypatch, capsys, tmp_path
+):
+    """A compile of minutes is progress: the reporter repeats a busy phase, not a step phase."""
+    monkeypatch.setenv("SPARE_JAX_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setattr(runlog, "_BUSY_REPEAT_S", 0.2)
+    runlog.at(11, "compile")
+    time.sleep(2.0)
+    runlog.at(11, "step")
+    time.sleep(2.0)
+    lines = capsys.readouterr().out.splitlines()
+    said = [line for line in lines if '"step": 11' in line]
+    compiles = [line for line in said if '"compile"' in line]
+    steps = [line for line in said if '"step",' in line or '"phase": "step"' in line]
+    assert len(compiles) >= 2, said  # said again while it lasts
+    assert len(steps) == 1, said  # a step phase only when it changes
 
 
 @pytest.mark.parametrize("binary", ["train", "launch", "reproduce", "validate", "plan"])
