@@ -59,8 +59,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from spare_jax import checks, errors, jax_internals, runlog
+from spare_jax import checks, errors, jax_internals, rejoin, runlog
 from spare_jax import mesh as mesh_lib
+from spare_jax.job_env import ENV
 
 __all__ = [
     "ENV",
@@ -83,20 +84,6 @@ __all__ = [
 ]
 
 # What a launcher tells each worker (torchrun's RANK and WORLD_SIZE, in our names).
-ENV = {
-    "coordinator": "SPARE_JAX_COORDINATOR",  # host:port of the coordination service
-    "process_id": "SPARE_JAX_PROCESS_ID",
-    "num_processes": "SPARE_JAX_NUM_PROCESSES",
-    "devices": "SPARE_JAX_DEVICES_PER_PROCESS",  # CPU devices to simulate in each worker
-    "heartbeat_s": "SPARE_JAX_HEARTBEAT_S",
-    "collective_timeout_s": "SPARE_JAX_COLLECTIVE_TIMEOUT_S",
-    "launch_dir": "SPARE_JAX_LAUNCH_DIR",  # the launcher's files (worker logs, kill times)
-    "exit_with_parent": "SPARE_JAX_EXIT_WITH_PARENT",
-    "relaunched_at": "SPARE_JAX_RELAUNCHED_AT",  # wall time the interrupted job ended
-    "kills": "SPARE_JAX_KILLS",  # the fault injector's cues, PROCESS=STEP,... (testing)
-    "replacement": "SPARE_JAX_REPLACEMENT",  # set: this process replaces a dead one (re-join)
-    "started_at": "SPARE_JAX_STARTED_AT",  # wall time the launcher started this process
-}
 EXIT_DECLARED_DEAD = 76  # a worker the job declared dead (a stall past the heartbeat) woke up
 EXIT_GROUP_LOST = errors.EXIT_GROUP_LOST  # a worker whose group lost another process leaves
 DEFAULT_HEARTBEAT_S = 10
@@ -268,8 +255,6 @@ def initialize_job(
         external_service=external,
     )
     if os.environ.get(ENV["replacement"]):
-        from spare_jax import rejoin
-
         rejoin.prepare_backend(index)
     _install_exit_handlers(joined=True)
     runlog.emit("hello", process=index, pid=os.getpid(), host=socket.gethostname())

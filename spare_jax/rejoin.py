@@ -39,7 +39,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from spare_jax import jax_internals, multihost
+from spare_jax import jax_internals
+from spare_jax.job_env import ENV
 
 __all__ = [
     "Epoch",
@@ -62,13 +63,13 @@ _BARRIER_MS = 120_000
 
 def is_replacement() -> bool:
     """Whether the launcher started this process to replace a dead one of a running job."""
-    return bool(os.environ.get(multihost.ENV["replacement"]))
+    return bool(os.environ.get(ENV["replacement"]))
 
 
 def started_at() -> float:
     """When the launcher started this process (wall time; now when it did not say)."""
     try:
-        return float(os.environ.get(multihost.ENV["started_at"], ""))
+        return float(os.environ.get(ENV["started_at"], ""))
     except ValueError:
         return time.time()
 

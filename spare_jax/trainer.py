@@ -4,7 +4,10 @@ One object holds everything a failure touches: the live set
 (`liveness.Failures`), the step in force (it alone swaps it when a process
 is lost), the writer role, the checkpoint interval (`checkpoint.Interval`,
 which is Orbax's save decision), the checkpoints, rollback, resume and the run
-log. A failure travels one way:
+log. Its parts by concern, each in its own module: the loop and the step
+(here), saves, restores and rollback (`spare_jax.saving`), a process loss
+(`spare_jax.recovery`) and re-join (`spare_jax.admission`). A failure travels
+one way:
 
 * **simulated** (a schedule or a rate): `Failures.advance` changes the live
   mask before a step; `SpareStep.table` turns it into the step's slot table;
@@ -14,12 +17,12 @@ log. A failure travels one way:
 * **a real process loss** (multi-process jobs): each step runs inside
   ``multihost_utils.live_devices``; a dead process surfaces there as
   ``ProcessFailureError`` on every survivor at once. `Trainer._lose` marks
-  its groups failed, builds the survivors' mesh and step (precompiled at
-  start-up with ``precompile_failures``), re-wraps the state from the
-  survivors' own buffers, hands the writer role on if the writer died, and
-  the same step is retried. A dead process cannot re-join this job, so an
-  interruption after one raises `errors.Relaunch`: the launcher starts a fresh
-  job, which resumes from the latest checkpoint (the rollback).
+  its groups failed, builds the survivors' mesh and step (split by failure
+  domain: only the small cross-group program compiles), re-wraps the state
+  from the survivors' own buffers, hands the writer role on if the writer
+  died, and the same step is retried. An interruption after a loss raises
+  `errors.Relaunch`: the launcher starts a fresh job, which resumes from the
+  latest checkpoint (the rollback).
 
 Every step is exact and ``batches(t)`` is a pure function of ``t``, so the
 parameters at the end equal those of a run that never failed.
@@ -29,20 +32,17 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
-from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import checkpoint as ckpt_lib
 from spare_jax import (
-    domains,
     errors,
     fingerprint,
     inputs,
@@ -54,6 +54,9 @@ from spare_jax import (
 )
 from spare_jax import mesh as mesh_lib
 from spare_jax import train_step as step_lib
+from spare_jax.admission import Admission
+from spare_jax.recovery import ProcessLoss
+from spare_jax.saving import Saving
 
 __all__ = ["Trainer", "host_scalar"]
 
@@ -84,12 +87,7 @@ def interval_model(
     )
 
 
-def _host(x: Any) -> Any:
-    """A host copy of an array a backend reset would invalidate (NumPy passes through)."""
-    return multihost.host_copy(x) if isinstance(x, jax.Array) else x
-
-
-class Trainer:
+class Trainer(Saving, ProcessLoss, Admission):
     """One attempt at a run: its state, its books, and the handling of each kind of failure.
 
     Args:
@@ -199,19 +197,6 @@ class Trainer:
         self.input_rows = 0  # rows this process read from `batches`, every (re)load included
         self._next: tuple[Any, int, Any, int] | None = None  # a prefetched step's input
 
-    def _split_for(self, full: Mesh) -> domains.Split:
-        """This process's failure domain's programs, over ``full``'s devices (the job's mesh)."""
-        rows = domains.domain_of(multihost.group_processes(full), jax.process_index())
-        mesh = multihost.survivors_mesh(multihost.group_devices(full), rows, full)
-        t = self._template
-        return domains.Split(t.loss_fn, t.tx, mesh, rows, t.accum_dtype)
-
-    def compiled(self) -> dict[str, int]:
-        """Programs this process compiled for its step, by kind (the split step's three)."""
-        split = self.step.domain if self.step is not None else None
-        counts = dict(split.compiles) if split is not None else {}
-        return {**counts, "step": self.step.compiles if self.step is not None else 0}
-
     # ------------------------------------------------------------------ roles
 
     @property
@@ -224,90 +209,6 @@ class Trainer:
         A replacement that re-joins does not take the role back.
         """
         return not self.multi or jax.process_index() == self.writer_process
-
-    # ------------------------------------------------------------ checkpoints
-
-    def _restore(self) -> ckpt_lib.Restored | None:
-        return self.ckpt.restore_latest(self.global_abstract)
-
-    def _save(self, *, force: bool = False) -> None:
-        """Let Orbax's policy decide on step ``t`` (or force it); note finished saves."""
-        for saved in self.ckpt.poll():
-            self._note(saved)
-        due = self._agreed_save if self.spanning else self.ckpt.due(self.t)
-        self._agreed_save = False
-        if not (force or due):  # most steps: nothing to build or copy
-            return
-        self._at("checkpoint")
-        # Orbax waits for the previous save before starting this one anyway: put it on
-        # record first, so that a kill during this save cannot lose its event.
-        for saved in self.ckpt.wait():
-            self._note(saved)
-        local = self.multi and not self.spanning  # one process's whole replica, on its host
-        state = multihost.local_view(self.state) if local else self.state
-        if self.spanning:
-            stall = self._save_together(state, force or due)
-        else:
-            stall = self.ckpt.save(self.t, state, self._meta(), force=force or due)
-        if stall is not None:
-            self.interval.stalls.append(stall)
-
-    def _save_together(self, state: Any, force: bool) -> float | None:
-        """Groups spanning processes: every live process saves its shards, in one live-set block.
-
-        A process lost during the save makes every survivor see it at once: the
-        save is dropped (the previous checkpoint stays the newest complete one)
-        and the survivors take over as after a loss in a step.
-        """
-        started = time.time()
-        try:
-            with live_devices(self._all):
-                return self.ckpt.save(self.t, state, self._meta(), force=force)
-        except ProcessFailureError as err:
-            runlog.notice(f"the save of step {self.t} was dropped: a process was lost in it")
-            self._lose(err, started)
-        except jax.errors.JaxRuntimeError as err:
-            runlog.notice(
-                f"the save of step {self.t} was dropped: a collective failed "
-                f"({str(err).splitlines()[0][:160]})"
-            )
-            self._resync = True
-        return None
-
-    def _meta(self) -> dict[str, Any]:
-        """What a checkpoint records beyond the arrays, to go on from step ``t`` exactly."""
-        return {
-            "step": self.t,
-            "attempt": self.attempt,
-            "liveness": self.failures.state_dict(),
-            "interval": self.interval.as_dict(),
-        }
-
-    def _note(self, saved: ckpt_lib.Saved) -> None:
-        """A save completed with all its files: on record, and the interval re-derived."""
-        self.log.event(
-            "checkpoint",
-            step=saved.step,
-            save_s=round(saved.stall_s, 6),
-            write_s=round(saved.write_s, 6),
-        )
-        self.interval.saves.append(saved.write_s)
-        if self.interval.update(self.step_times):
-            self._log_interval()
-
-    def _log_interval(self) -> None:
-        f = self.interval.figures
-        capped = (
-            f"the ceiling ({f['ceiling_by']}: {f['ceiling_s']:.3f} s of work) under "
-            if self.interval.source == "ceiling"
-            else ""
-        )
-        runlog.notice(
-            f"checkpoint interval {self.interval.steps} steps: {capped}the model's optimum "
-            f"{f['interval_s']:.3f} s for step {f['step_s']:.4f} s, save stall "
-            f"{f['save_stall_s']:.4f} s, save {f['save_s']:.4f} s, restore {f['restore_s']:.4f} s, "
-            f"group MTBF {f['group_mtbf_s']:.2f} s (MTTI {f['mtti_s']:.2f} s)"
-        )
 
     # ----------------------------------------------------------------- phases
 
@@ -342,330 +243,7 @@ class Trainer:
         self._note_relaunch(restored.step)
         runlog.notice(f"resumed from checkpoint {restored.step} (attempt {self.attempt})")
 
-    def _note_relaunch(self, to: int) -> None:
-        """The launcher started this job after an interruption: put the relaunch on record."""
-        started = os.environ.get(multihost.ENV["relaunched_at"])
-        if not started:
-            return
-        runlog.emit("resumed", step=to)
-        steps = [r["step"] for r in self.log.previous if "event" not in r and "step" in r]
-        reached = max(steps) + 1 if steps else to
-        self.log.event(
-            "relaunch",
-            to_step=to,
-            lost_steps=max(reached - to, 0),
-            relaunch_s=round(time.time() - float(started), 6),
-            attempt=self.attempt,
-            rolled_back=True,
-        )
-
-    def rollback(self, err: reorder.Interruption) -> None:
-        """Restore the latest complete checkpoint (or a fresh state), replace the failed groups."""
-        uncovered = np.asarray(err.uncovered).tolist()
-        if self.lost_processes:
-            self._wait_for_saves()
-            raise errors.Relaunch(
-                f"interrupted at step {self.t} after the loss of process(es) "
-                f"{self.lost_processes}: shard(s) {uncovered} have no live holder; "
-                "a fresh job rolls back"
-            )
-        self.rollbacks += 1
-        if self.rollbacks > self.max_rollbacks:
-            raise errors.TooManyRollbacks(
-                f"rolled back {self.rollbacks - 1} times (max_rollbacks); "
-                "the failure rate leaves no time between interruptions"
-            )
-        self.attempt += 1
-        start = time.perf_counter()
-        self.state = None  # the interrupted state goes; its buffers with it
-        self._wait_for_saves()
-        self._at("restore")
-        restored = self._restore()
-        self.state, to = (
-            (self.step.init(self.params0), 0)
-            if restored is None
-            else (restored.state, restored.step)
-        )
-        restore_s = time.perf_counter() - start
-        self.interval.restore_s = restore_s
-        dead = np.flatnonzero(~self.failures.alive).tolist()
-        self.failures.replace_all()
-        self.log.event(
-            "rollback",
-            from_step=self.t,
-            to_step=to,
-            lost_steps=self.t - to,
-            restore_s=round(restore_s, 6),
-            uncovered=uncovered,
-            dead=dead,
-            attempt=self.attempt,
-        )
-        runlog.notice(
-            f"interrupted at step {self.t}: shard(s) {uncovered} have no live holder (dead "
-            f"groups {dead}); rolled back to step {to} with every failed group replaced"
-        )
-        self.t = to
-
-    def _wait_for_saves(self) -> None:
-        self._at("checkpoint")
-        for saved in self.ckpt.wait():
-            self._note(saved)
-
-    # ---------------------------------------------------------- process loss
-
-    def _survivors(self, live: Sequence[int]) -> step_lib.SpareStep:
-        ready = self._ready.get(tuple(live))
-        if ready is not None:
-            return ready
-        mesh = multihost.survivors_mesh(self._by_group, live, self._template.mesh)
-        return self.step.on_mesh(mesh, np.asarray(live))
-
-    def _precompile_all(self, stacks: Any) -> None:
-        """Compile the survivors' step for each single process failure (at start-up)."""
-        self._at("compile")
-        me = jax.process_index()
-        shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        mine = set(multihost.groups_touching(self.owners, [me]).tolist())
-        for proc in sorted(set(np.unique(self.owners[self.live_groups]).tolist()) - {me}):
-            live = [g for g in self.live_groups if proc not in self.owners[g]]
-            if mine.isdisjoint(live):
-                continue  # that loss takes this process's group too: it would leave
-            step = self._survivors(live)
-            abstract = jax.tree.map(
-                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                self.state,
-                multihost.on_mesh(step.mesh, shardings),
-            )
-            step.precompile(abstract, stacks)  # only the shapes after the group axis count
-            self._ready[tuple(live)] = step
-        if not self.step.compiled():  # the job's own step too: no compile inside the first step
-            self.step.precompile(self.state, stacks)
-        self._resync = True  # compiles end at different times: meet before the first collective
-
-    def _lose(self, err: ProcessFailureError, started: float) -> None:
-        """Survivors take over: the dead groups failed, the new step and state, the books."""
-        detected = time.time()
-        dead_procs = sorted({d.process_index for d in err.failed_devices})
-        # The launcher first: it kills what is left of them and knows the others
-        # are recovering (compiling the step below can take longer than a heartbeat).
-        runlog.emit("dead", processes=dead_procs, step=self.t)
-        self._at("compile")  # rebuilding and compiling the survivors' step: busy
-        lost = set(multihost.groups_touching(self.owners, dead_procs).tolist())
-        dead_groups = [g for g in self.live_groups if g in lost]
-        live = [g for g in self.live_groups if g not in dead_groups]
-        # The other processes of a dead group leave: they hold no live group.
-        leaving = sorted({int(p) for p in np.unique(self.owners[dead_groups])} - set(dead_procs))
-        if jax.process_index() in leaving:
-            self._leave_group(dead_procs, dead_groups)
-        # The leavers stay in the live-set check until the job declares them dead:
-        # then every survivor sees them go in the same block (`_left`).
-        if not dead_groups:  # processes that left with their group, already masked
-            self._left(dead_procs)
-            return
-        step = self._survivors(live)
-        shardings = multihost.on_mesh(step.mesh, jax.tree.map(lambda x: x.sharding, self.state))
-        self.state = multihost.reshard(self.state, shardings)
-        rebuilt = time.time()
-        stacks, rows = inputs.load(step, self.batches, self.t)  # the same units: no new data
-        self.input_rows += rows
-        self._next = (step, self.t, stacks, rows)
-        before = self.compiled()
-        compile_s = 0.0 if step.compiled() else step.precompile(self.state, stacks)
-        self.step, self._ready = step, {}
-        recompiled = {k: n - before.get(k, 0) for k, n in self.compiled().items()}
-        self.lost_processes = sorted({*self.lost_processes, *dead_procs, *leaving})
-        self.members -= {*dead_procs, *leaving}
-        self.failures.fail(dead_groups, self.t, repair=False)  # no devices to re-join with
-        killed = [multihost.kill_time(p) for p in dead_procs]
-        origin = max([started, *[k for k in killed if k is not None]])
-        if self.writer_process in {*dead_procs, *leaving}:
-            self.writer_process = int(self.owners[self.live_groups].min())
-        if self.spanning:  # every live process takes part in a save: a new group of them
-            self.ckpt.regroup(self.writer_process, self.members)
-        if self._is_writer():
-            self.log.become_writer()
-            self.ckpt.become_writer()
-        self.log.event(
-            "process_failure",
-            process=dead_procs,
-            groups=dead_groups,
-            step=self.t,
-            detect_s=round(detected - origin, 6),
-            rebuild_s=round(rebuilt - detected, 6),
-            compile_s=round(compile_s, 6),
-            compiled={k: n for k, n in recompiled.items() if n},
-        )
-        runlog.notice(
-            f"process(es) {dead_procs} (groups {dead_groups}) declared dead during step "
-            f"{self.t}; {len(live)} live group(s) go on"
-        )
-        self.recovering = {"origin": origin, "detected": detected, "resumed": time.time()}
-        self._resync = True
-        self._check_input = True
-
-    def _left(self, procs: list[int]) -> None:
-        """Processes whose groups were already masked are gone: the books only, no new step."""
-        self.members -= set(procs)
-        self.lost_processes = sorted({*self.lost_processes, *procs})
-        if self.writer_process in procs:
-            self.writer_process = int(self.owners[self.live_groups].min())
-        if self.spanning:
-            self.ckpt.regroup(self.writer_process, self.members)
-        if self._is_writer():
-            self.log.become_writer()
-            self.ckpt.become_writer()
-        runlog.notice(f"process(es) {procs} left the job with their group (already masked)")
-        self._resync = True
-
-    def _leave_group(self, dead_procs: list[int], dead_groups: list[int]) -> None:
-        """This process's group lost another of its processes: leave the job (it goes on)."""
-        runlog.emit("group_lost", process=jax.process_index(), groups=dead_groups, step=self.t)
-        err = errors.GroupLost(
-            f"process(es) {dead_procs} died during step {self.t}, and with them group(s) "
-            f"{dead_groups}, which this process belongs to; the job goes on without it"
-        )
-        # At once, without JAX's shutdown (which would wait on the survivors): the job
-        # declares this process dead one heartbeat later, on every survivor alike.
-        sys.stderr.write(f"spare-jax: {err}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(err.exit_status)
-
-    # ------------------------------------------------------------------ re-join
-
-    def _record(self) -> dict[str, Any]:
-        """What a newcomer needs beyond the arrays: a checkpoint's record and the job's books."""
-        return {
-            **self._meta(),
-            "rows": self.live_groups,
-            "lost_processes": self.lost_processes,
-            "writer": self.writer_process,
-            "rollbacks": self.rollbacks,
-        }
-
-    def _admit(self, epoch: rejoin.Epoch) -> None:
-        """Survivors: hand the state to the newcomers of ``epoch`` and grow the mesh back.
-
-        Every survivor holds a full replica: each keeps its own on the host
-        across the backend reset; the writer also publishes it for the
-        newcomers. Step ``t`` runs next, with every group of the newcomers live.
-        """
-        if self.spanning:  # no process holds a replica to hand over (yet): start afresh
-            raise errors.Relaunch(
-                f"process(es) {epoch.joiners} came back at step {self.t}, but a group spanning "
-                "processes cannot take a replacement in a running job; a fresh job resumes"
-            )
-        start = time.time()
-        self._wait_for_saves()
-        leaves, treedef = jax.tree.flatten(multihost.local_view(self.state))
-        specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
-        self.params0 = jax.tree.map(_host, self.params0)
-        rows, sent = self.live_groups, 0
-        if self._is_writer():
-            data = rejoin.pack(leaves, self._record())
-            rejoin.send(epoch, data)
-            sent = len(data)
-        self.state, self.step, self._ready = None, None, {}
-        rejoin.reset_backend(epoch, fresh=False)
-        self._regrow(epoch, rows, jax.tree.unflatten(treedef, leaves), specs)
-        rejoin.done(epoch)
-        self._joined(epoch, start, sent)
-
-    def _join(self) -> None:
-        """A replacement: wait for the survivors to see us, take a live peer's state, go on."""
-        with live_devices(self._all):
-            pass  # the first block every process sees us in: the survivors stop there too
-        me = jax.process_index()
-        epoch = rejoin.Epoch(rejoin.live_incarnations(), [me])
-        start = time.time()
-        self._at("join")
-        rejoin.announce(epoch)
-        rejoin.reset_backend(epoch, fresh=True)
-        data = rejoin.receive(epoch)
-        leaves, meta = rejoin.unpack(data)
-        abstract = self.global_abstract
-        state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
-        specs = jax.tree.map(lambda a: a.sharding.spec, abstract)
-        self.t, self.attempt = int(meta["step"]), int(meta["attempt"])
-        self.failures.load_state_dict(meta["liveness"])
-        self.interval.load(meta["interval"])
-        self.lost_processes = [int(p) for p in meta["lost_processes"]]
-        self.writer_process, self.rollbacks = int(meta["writer"]), int(meta["rollbacks"])
-        self.members = {p for p in epoch.processes if p != me}
-        self._regrow(epoch, [int(g) for g in meta["rows"]], state, specs)
-        rejoin.done(epoch)
-        self._joined(epoch, start, len(data))
-        runlog.notice(f"joined the running job at step {self.t} with the state of a live peer")
-
-    def _regrow(self, epoch: rejoin.Epoch, rows: list[int], host_state: Any, specs: Any) -> None:
-        """The mesh over every live group (the newcomers' again), on this backend's devices."""
-        by_id = {d.id: d for d in jax.devices()}
-        full = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(self._ids), self._axes)
-        self._all = list(full.devices.flat)
-        self._by_group = multihost.group_devices(full)
-        back = [int(g) for g in multihost.groups_touching(self.owners, epoch.joiners)]
-        live = sorted({*rows, *back})
-        groups = np.arange(len(self.owners))
-        self.global_abstract = self._template.on_mesh(full, groups).abstract_state(self.params0)
-        self.step = self._template.on_mesh(
-            multihost.survivors_mesh(self._by_group, live, self._template.mesh),
-            np.asarray(live),
-            domain=self._split_for(full),  # a new backend: its programs are new too
-        )
-        shardings = jax.tree.map(lambda sp: NamedSharding(self.step.mesh, sp), specs)
-        self.state = multihost.from_local(host_state, shardings)
-        self.members |= set(epoch.joiners)
-        self.lost_processes = [p for p in self.lost_processes if p not in epoch.joiners]
-        self.failures.alive[back] = True
-        self._rejoined = back
-
-    def _joined(self, epoch: rejoin.Epoch, start: float, nbytes: int) -> None:
-        """Every process has its state: compile the step for the grown mesh, note the re-join."""
-        placed = time.time()
-        self._check_input = True
-        stacks, rows = inputs.load(self.step, self.batches, self.t)
-        self.input_rows += rows
-        self._next = (self.step, self.t, stacks, rows)
-        self._at("compile")
-        compile_s = self.step.precompile(self.state, stacks)
-        self.joining = {
-            "process": epoch.joiners,
-            "groups": self._rejoined,
-            "step": self.t,
-            "started": rejoin.start_times(epoch) if self._is_writer() else {},
-            "transfer_s": round(placed - start, 6),
-            "compile_s": round(compile_s, 6),
-            "bytes": nbytes,
-        }
-        if self.replacement:
-            runlog.emit("joined", step=self.t)
-
-    def _note_rejoin(self) -> None:
-        """After the first step with the newcomers: the re-join on record (the writer's)."""
-        if self.joining is None:
-            return
-        joining, self.joining = self.joining, None
-        if not self._is_writer():
-            return
-        started = joining.pop("started")
-        now = time.time()
-        joining["join_s"] = round(now - min(started.values()), 6) if started else None
-        self.log.event("rejoin", **joining)
-        runlog.notice(
-            f"process(es) {joining['process']} re-joined at step {joining['step']} "
-            f"(groups {joining['groups']} live again, {joining['bytes']} bytes from a peer)"
-        )
-
     # ------------------------------------------------------------------- step
-
-    def _newcomers(self, live: Sequence[jax.Device]) -> list[int]:
-        """Processes this block's live set shows that are not on our mesh (a re-join)."""
-        return sorted({d.process_index for d in live} - self.members)
-
-    @staticmethod
-    def _epoch(joiners: list[int]) -> rejoin.Epoch | None:
-        """The re-join, named by the live set every process holds after the block."""
-        return rejoin.Epoch(rejoin.live_incarnations(), joiners) if joiners else None
 
     def _check_batch(self, stacks: Any) -> None:
         """Multi-process, at a job's first step and after a recovery or re-join: every
@@ -865,57 +443,6 @@ class Trainer:
             if self._preempted() and self.t < self.total:
                 self._stop_for_preemption()
             self._save()
-
-    def _preempted(self) -> bool:
-        """Whether to stop here for a preemption notice (SIGTERM), every process at the same step.
-
-        In a multi-process job JAX's preemption service (part of its
-        coordination service) hears the SIGTERM on any process and makes all
-        of them agree on the step to stop at; a lone process has `preemption`.
-        """
-        if self.multi:
-            try:
-                return multihost_utils.reached_preemption_sync_point(self.t)
-            except RuntimeError:  # JAX's preemption service is off
-                return False
-        return self.preemption is not None and self.preemption.requested
-
-    def _stop_for_preemption(self) -> None:
-        """Save the state at the step reached, then stop with `errors.Preempted`."""
-        start = time.time()
-        self._save(force=True)
-        self._wait_for_saves()
-        self.log.event("preempted", step=self.t, save_s=round(time.time() - start, 6))
-        raise errors.Preempted(
-            f"preempted at step {self.t}: its state is saved in {self.ckpt.directory}; rerun the "
-            "same command to resume from it"
-        )
-
-    def _recovered(self) -> None:
-        if self.recovering is None:
-            return
-        now = time.time()
-        self.log.event(
-            "recovered",
-            step=self.t,
-            live_groups=int(self.failures.alive.sum()),
-            recovery_s=round(now - self.recovering["origin"], 6),
-            since_detection_s=round(now - self.recovering["detected"], 6),
-            first_step_s=round(now - self.recovering["resumed"], 6),
-            rolled_back=False,
-        )
-        self.recovering = None
-
-    def _non_finite(self, record: dict[str, Any]) -> None:
-        """Save the last good state (the step kept it) and stop."""
-        record["loss"] = record["grad_norm"] = None
-        self.log.write(record)
-        self._save(force=True)
-        self._wait_for_saves()
-        raise errors.NonFiniteLoss(
-            f"the loss became non-finite at step {self.t}; the state before it is saved as "
-            f"checkpoint {self.t} in {self.ckpt.directory}"
-        )
 
     def finish(self) -> dict[str, Any]:
         """Wait for saves, make sure the last step is saved, write the summary."""

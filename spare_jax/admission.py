@@ -1,0 +1,169 @@
+"""Re-join: a replacement process joins the running job; `Admission`, part of `Trainer`.
+
+The survivors see the newcomer in a step's live-set check, on every process
+at once (`Admission._newcomers`); they hand it the state (`_admit`) and grow
+the mesh back (`_regrow`); the newcomer takes the state and the job's books
+(`_join`). The transport is `spare_jax.rejoin`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.multihost_utils import live_devices
+from jax.sharding import Mesh, NamedSharding
+
+from spare_jax import (
+    errors,
+    inputs,
+    multihost,
+    rejoin,
+    runlog,
+)
+
+__all__ = ["Admission"]
+
+
+def _host(x: Any) -> Any:
+    """A host copy of an array a backend reset would invalidate (NumPy passes through)."""
+    return multihost.host_copy(x) if isinstance(x, jax.Array) else x
+
+
+class Admission:
+    """Admitting a replacement, and joining as one: mixed into `Trainer`."""
+
+    def _record(self) -> dict[str, Any]:
+        """What a newcomer needs beyond the arrays: a checkpoint's record and the job's books."""
+        return {
+            **self._meta(),
+            "rows": self.live_groups,
+            "lost_processes": self.lost_processes,
+            "writer": self.writer_process,
+            "rollbacks": self.rollbacks,
+        }
+
+    def _admit(self, epoch: rejoin.Epoch) -> None:
+        """Survivors: hand the state to the newcomers of ``epoch`` and grow the mesh back.
+
+        Every survivor holds a full replica: each keeps its own on the host
+        across the backend reset; the writer also publishes it for the
+        newcomers. Step ``t`` runs next, with every group of the newcomers live.
+        """
+        if self.spanning:  # no process holds a replica to hand over (yet): start afresh
+            raise errors.Relaunch(
+                f"process(es) {epoch.joiners} came back at step {self.t}, but a group spanning "
+                "processes cannot take a replacement in a running job; a fresh job resumes"
+            )
+        start = time.time()
+        self._wait_for_saves()
+        leaves, treedef = jax.tree.flatten(multihost.local_view(self.state))
+        specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
+        self.params0 = jax.tree.map(_host, self.params0)
+        rows, sent = self.live_groups, 0
+        if self._is_writer():
+            data = rejoin.pack(leaves, self._record())
+            rejoin.send(epoch, data)
+            sent = len(data)
+        self.state, self.step, self._ready = None, None, {}
+        rejoin.reset_backend(epoch, fresh=False)
+        self._regrow(epoch, rows, jax.tree.unflatten(treedef, leaves), specs)
+        rejoin.done(epoch)
+        self._joined(epoch, start, sent)
+
+    def _join(self) -> None:
+        """A replacement: wait for the survivors to see us, take a live peer's state, go on."""
+        with live_devices(self._all):
+            pass  # the first block every process sees us in: the survivors stop there too
+        me = jax.process_index()
+        epoch = rejoin.Epoch(rejoin.live_incarnations(), [me])
+        start = time.time()
+        self._at("join")
+        rejoin.announce(epoch)
+        rejoin.reset_backend(epoch, fresh=True)
+        data = rejoin.receive(epoch)
+        leaves, meta = rejoin.unpack(data)
+        abstract = self.global_abstract
+        state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+        specs = jax.tree.map(lambda a: a.sharding.spec, abstract)
+        self.t, self.attempt = int(meta["step"]), int(meta["attempt"])
+        self.failures.load_state_dict(meta["liveness"])
+        self.interval.load(meta["interval"])
+        self.lost_processes = [int(p) for p in meta["lost_processes"]]
+        self.writer_process, self.rollbacks = int(meta["writer"]), int(meta["rollbacks"])
+        self.members = {p for p in epoch.processes if p != me}
+        self._regrow(epoch, [int(g) for g in meta["rows"]], state, specs)
+        rejoin.done(epoch)
+        self._joined(epoch, start, len(data))
+        runlog.notice(f"joined the running job at step {self.t} with the state of a live peer")
+
+    def _regrow(self, epoch: rejoin.Epoch, rows: list[int], host_state: Any, specs: Any) -> None:
+        """The mesh over every live group (the newcomers' again), on this backend's devices."""
+        by_id = {d.id: d for d in jax.devices()}
+        full = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(self._ids), self._axes)
+        self._all = list(full.devices.flat)
+        self._by_group = multihost.group_devices(full)
+        back = [int(g) for g in multihost.groups_touching(self.owners, epoch.joiners)]
+        live = sorted({*rows, *back})
+        groups = np.arange(len(self.owners))
+        self.global_abstract = self._template.on_mesh(full, groups).abstract_state(self.params0)
+        self.step = self._template.on_mesh(
+            multihost.survivors_mesh(self._by_group, live, self._template.mesh),
+            np.asarray(live),
+            domain=self._split_for(full),  # a new backend: its programs are new too
+        )
+        shardings = jax.tree.map(lambda sp: NamedSharding(self.step.mesh, sp), specs)
+        self.state = multihost.from_local(host_state, shardings)
+        self.members |= set(epoch.joiners)
+        self.lost_processes = [p for p in self.lost_processes if p not in epoch.joiners]
+        self.failures.alive[back] = True
+        self._rejoined = back
+
+    def _joined(self, epoch: rejoin.Epoch, start: float, nbytes: int) -> None:
+        """Every process has its state: compile the step for the grown mesh, note the re-join."""
+        placed = time.time()
+        self._check_input = True
+        stacks, rows = inputs.load(self.step, self.batches, self.t)
+        self.input_rows += rows
+        self._next = (self.step, self.t, stacks, rows)
+        self._at("compile")
+        compile_s = self.step.precompile(self.state, stacks)
+        self.joining = {
+            "process": epoch.joiners,
+            "groups": self._rejoined,
+            "step": self.t,
+            "started": rejoin.start_times(epoch) if self._is_writer() else {},
+            "transfer_s": round(placed - start, 6),
+            "compile_s": round(compile_s, 6),
+            "bytes": nbytes,
+        }
+        if self.replacement:
+            runlog.emit("joined", step=self.t)
+
+    def _note_rejoin(self) -> None:
+        """After the first step with the newcomers: the re-join on record (the writer's)."""
+        if self.joining is None:
+            return
+        joining, self.joining = self.joining, None
+        if not self._is_writer():
+            return
+        started = joining.pop("started")
+        now = time.time()
+        joining["join_s"] = round(now - min(started.values()), 6) if started else None
+        self.log.event("rejoin", **joining)
+        runlog.notice(
+            f"process(es) {joining['process']} re-joined at step {joining['step']} "
+            f"(groups {joining['groups']} live again, {joining['bytes']} bytes from a peer)"
+        )
+
+    def _newcomers(self, live: Sequence[jax.Device]) -> list[int]:
+        """Processes this block's live set shows that are not on our mesh (a re-join)."""
+        return sorted({d.process_index for d in live} - self.members)
+
+    @staticmethod
+    def _epoch(joiners: list[int]) -> rejoin.Epoch | None:
+        """The re-join, named by the live set every process holds after the block."""
+        return rejoin.Epoch(rejoin.live_incarnations(), joiners) if joiners else None

@@ -1,0 +1,215 @@
+"""The run's checkpoints, as the loop sees them: `Saving`, a part of `spare_jax.trainer.Trainer`.
+
+Orbax's policy (`checkpoint.Interval`) decides when; `Saving._save` builds
+what is saved (a process's own replica, or every live process's shards when
+groups span processes), and notes each completed save so that the interval
+model is re-derived from measured stalls. A preemption notice and a
+non-finite loss end the run with the last good state saved.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.experimental.multihost_utils import ProcessFailureError, live_devices
+
+from spare_jax import checkpoint as ckpt_lib
+from spare_jax import errors, multihost, reorder, runlog
+
+__all__ = ["Saving"]
+
+
+class Saving:
+    """Saves, restores, rollback, preemption: mixed into `Trainer`."""
+
+    def _restore(self) -> ckpt_lib.Restored | None:
+        return self.ckpt.restore_latest(self.global_abstract)
+
+    def _save(self, *, force: bool = False) -> None:
+        """Let Orbax's policy decide on step ``t`` (or force it); note finished saves."""
+        for saved in self.ckpt.poll():
+            self._note(saved)
+        due = self._agreed_save if self.spanning else self.ckpt.due(self.t)
+        self._agreed_save = False
+        if not (force or due):  # most steps: nothing to build or copy
+            return
+        self._at("checkpoint")
+        # Orbax waits for the previous save before starting this one anyway: put it on
+        # record first, so that a kill during this save cannot lose its event.
+        for saved in self.ckpt.wait():
+            self._note(saved)
+        local = self.multi and not self.spanning  # one process's whole replica, on its host
+        state = multihost.local_view(self.state) if local else self.state
+        if self.spanning:
+            stall = self._save_together(state, force or due)
+        else:
+            stall = self.ckpt.save(self.t, state, self._meta(), force=force or due)
+        if stall is not None:
+            self.interval.stalls.append(stall)
+
+    def _save_together(self, state: Any, force: bool) -> float | None:
+        """Groups spanning processes: every live process saves its shards, in one live-set block.
+
+        A process lost during the save makes every survivor see it at once: the
+        save is dropped (the previous checkpoint stays the newest complete one)
+        and the survivors take over as after a loss in a step.
+        """
+        started = time.time()
+        try:
+            with live_devices(self._all):
+                return self.ckpt.save(self.t, state, self._meta(), force=force)
+        except ProcessFailureError as err:
+            runlog.notice(f"the save of step {self.t} was dropped: a process was lost in it")
+            self._lose(err, started)
+        except jax.errors.JaxRuntimeError as err:
+            runlog.notice(
+                f"the save of step {self.t} was dropped: a collective failed "
+                f"({str(err).splitlines()[0][:160]})"
+            )
+            self._resync = True
+        return None
+
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint records beyond the arrays, to go on from step ``t`` exactly."""
+        return {
+            "step": self.t,
+            "attempt": self.attempt,
+            "liveness": self.failures.state_dict(),
+            "interval": self.interval.as_dict(),
+        }
+
+    def _note(self, saved: ckpt_lib.Saved) -> None:
+        """A save completed with all its files: on record, and the interval re-derived."""
+        self.log.event(
+            "checkpoint",
+            step=saved.step,
+            save_s=round(saved.stall_s, 6),
+            write_s=round(saved.write_s, 6),
+        )
+        self.interval.saves.append(saved.write_s)
+        if self.interval.update(self.step_times):
+            self._log_interval()
+
+    def _log_interval(self) -> None:
+        f = self.interval.figures
+        capped = (
+            f"the ceiling ({f['ceiling_by']}: {f['ceiling_s']:.3f} s of work) under "
+            if self.interval.source == "ceiling"
+            else ""
+        )
+        runlog.notice(
+            f"checkpoint interval {self.interval.steps} steps: {capped}the model's optimum "
+            f"{f['interval_s']:.3f} s for step {f['step_s']:.4f} s, save stall "
+            f"{f['save_stall_s']:.4f} s, save {f['save_s']:.4f} s, restore {f['restore_s']:.4f} s, "
+            f"group MTBF {f['group_mtbf_s']:.2f} s (MTTI {f['mtti_s']:.2f} s)"
+        )
+
+    def _wait_for_saves(self) -> None:
+        self._at("checkpoint")
+        for saved in self.ckpt.wait():
+            self._note(saved)
+
+    def _preempted(self) -> bool:
+        """Whether to stop here for a preemption notice (SIGTERM), every process at the same step.
+
+        In a multi-process job JAX's preemption service (part of its
+        coordination service) hears the SIGTERM on any process and makes all
+        of them agree on the step to stop at; a lone process has `preemption`.
+        """
+        if self.multi:
+            try:
+                return multihost_utils.reached_preemption_sync_point(self.t)
+            except RuntimeError:  # JAX's preemption service is off
+                return False
+        return self.preemption is not None and self.preemption.requested
+
+    def _stop_for_preemption(self) -> None:
+        """Save the state at the step reached, then stop with `errors.Preempted`."""
+        start = time.time()
+        self._save(force=True)
+        self._wait_for_saves()
+        self.log.event("preempted", step=self.t, save_s=round(time.time() - start, 6))
+        raise errors.Preempted(
+            f"preempted at step {self.t}: its state is saved in {self.ckpt.directory}; rerun the "
+            "same command to resume from it"
+        )
+
+    def _non_finite(self, record: dict[str, Any]) -> None:
+        """Save the last good state (the step kept it) and stop."""
+        record["loss"] = record["grad_norm"] = None
+        self.log.write(record)
+        self._save(force=True)
+        self._wait_for_saves()
+        raise errors.NonFiniteLoss(
+            f"the loss became non-finite at step {self.t}; the state before it is saved as "
+            f"checkpoint {self.t} in {self.ckpt.directory}"
+        )
+
+    def _note_relaunch(self, to: int) -> None:
+        """The launcher started this job after an interruption: put the relaunch on record."""
+        started = os.environ.get(multihost.ENV["relaunched_at"])
+        if not started:
+            return
+        runlog.emit("resumed", step=to)
+        steps = [r["step"] for r in self.log.previous if "event" not in r and "step" in r]
+        reached = max(steps) + 1 if steps else to
+        self.log.event(
+            "relaunch",
+            to_step=to,
+            lost_steps=max(reached - to, 0),
+            relaunch_s=round(time.time() - float(started), 6),
+            attempt=self.attempt,
+            rolled_back=True,
+        )
+
+    def rollback(self, err: reorder.Interruption) -> None:
+        """Restore the latest complete checkpoint (or a fresh state), replace the failed groups."""
+        uncovered = np.asarray(err.uncovered).tolist()
+        if self.lost_processes:
+            self._wait_for_saves()
+            raise errors.Relaunch(
+                f"interrupted at step {self.t} after the loss of process(es) "
+                f"{self.lost_processes}: shard(s) {uncovered} have no live holder; "
+                "a fresh job rolls back"
+            )
+        self.rollbacks += 1
+        if self.rollbacks > self.max_rollbacks:
+            raise errors.TooManyRollbacks(
+                f"rolled back {self.rollbacks - 1} times (max_rollbacks); "
+                "the failure rate leaves no time between interruptions"
+            )
+        self.attempt += 1
+        start = time.perf_counter()
+        self.state = None  # the interrupted state goes; its buffers with it
+        self._wait_for_saves()
+        self._at("restore")
+        restored = self._restore()
+        self.state, to = (
+            (self.step.init(self.params0), 0)
+            if restored is None
+            else (restored.state, restored.step)
+        )
+        restore_s = time.perf_counter() - start
+        self.interval.restore_s = restore_s
+        dead = np.flatnonzero(~self.failures.alive).tolist()
+        self.failures.replace_all()
+        self.log.event(
+            "rollback",
+            from_step=self.t,
+            to_step=to,
+            lost_steps=self.t - to,
+            restore_s=round(restore_s, 6),
+            uncovered=uncovered,
+            dead=dead,
+            attempt=self.attempt,
+        )
+        runlog.notice(
+            f"interrupted at step {self.t}: shard(s) {uncovered} have no live holder (dead "
+            f"groups {dead}); rolled back to step {to} with every failed group replaced"
+        )
+        self.t = to
