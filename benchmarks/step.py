@@ -2,6 +2,7 @@
 
     python benchmarks/step.py                          # full tables (several minutes on 2 cores)
     python benchmarks/step.py --steps=5                # quicker, noisier
+    python benchmarks/step.py --sections=6             # one section (repeat the flag for more)
     python benchmarks/step.py --tiny --steps=2 --warmup=1 --out=/tmp/step.json   # smoke run
 
 Everything runs in one process on 8 simulated CPU devices with the project's
@@ -73,6 +74,9 @@ _BATCH = flags.DEFINE_integer(
 )
 _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
 _TINY = flags.DEFINE_bool("tiny", False, "Tiny model, one mesh, m = 1 only: a smoke run.")
+_SECTIONS = flags.DEFINE_multi_enum(
+    "sections", ["1", "2", "3", "4", "5", "6"], ["1", "2", "3", "4", "5", "6"], "Sections to run."
+)
 
 DEVICES = 8
 MODEL = model_lib.ModelConfig(vocab=256, seq_len=64, d_model=128, heads=4, layers=2, d_ff=512)
@@ -403,24 +407,27 @@ def split_vs_fused(benches: Benches, shapes: Sequence[tuple], m: int) -> list[di
 
     The split runs as a multi-process job runs it (`domains.Split`, one domain
     over the whole mesh here): the domain's gradient program, the cross-group
-    sum, a host read of the finite flag, then the donating update.
+    sum, a host read of the finite flag, then the donating update. Beside it,
+    the two-program form over the whole mesh (``split=True``: the reduction
+    with its psum, then the update) that multi-process jobs ran before.
     """
     print("\n6. the step split by failure domain (gradients, cross, update) vs the fused step")
-    print(f"{'mesh':>6} {'m':>2} {'fused s':>9} {'split s':>9} {'ratio':>6}  target <= 1.02")
+    print(
+        f"{'mesh':>6} {'m':>2} {'fused s':>9} {'domain s':>9} {'ratio':>6} {'2-prog s':>9} "
+        f"{'ratio':>6}  target <= 1.02"
+    )
     rows = []
     for shape in shapes:
         fused = benches.get(shape, "spare", 2, m)
         split = Bench(benches.lm, shape, "spare", 2, m, benches.batch)
+        two = Bench(benches.lm, shape, "spare", 2, m, benches.batch)
         base = split.step
         program = domains.Split(base.loss_fn, base.tx, base.mesh, base.rows, base.accum_dtype)
         split.step = base.on_mesh(base.mesh, base.rows, domain=program)
-        table, _ = fused.step.table(fused.alive())
-        split_table, _ = split.step.table(split.alive())
+        two.step = two.step.on_mesh(two.step.mesh, two.step.rows, split=True)
+        tables = [b.step.table(b.alive())[0] for b in (fused, split, two)]
         times = interleaved(
-            [
-                lambda b=fused, tb=table: b.run(tb),
-                lambda b=split, tb=split_table: b.run(tb),
-            ]
+            [lambda b=b, tb=tb: b.run(tb) for b, tb in zip((fused, split, two), tables)]
         )
         row = {
             "mesh": mesh_name(shape),
@@ -428,13 +435,16 @@ def split_vs_fused(benches: Benches, shapes: Sequence[tuple], m: int) -> list[di
             "fused_s": float(np.median(times[:, 0])),
             "split_s": float(np.median(times[:, 1])),
             "ratio": ratio(times, 1, 0),
+            "two_program_s": float(np.median(times[:, 2])),
+            "two_program_ratio": ratio(times, 2, 0),
             "compiled": dict(program.compiles),
             "compile_s": {k: round(v, 4) for k, v in program.compile_s.items()},
         }
         rows.append(row)
         print(
             f"{row['mesh']:>6} {m:>2} {row['fused_s']:9.4f} {row['split_s']:9.4f} "
-            f"{row['ratio']:6.3f}  compile s: {row['compile_s']}"
+            f"{row['ratio']:6.3f} {row['two_program_s']:9.4f} {row['two_program_ratio']:6.3f}"
+            f"  compile s: {row['compile_s']}"
         )
     return rows
 
@@ -467,34 +477,40 @@ def main(argv: list[str]) -> None:
             "cores": os.cpu_count(),
         }
     }
-    results["spare_vs_dp"] = spare_vs_dp(benches, meshes, m_free)
-
-    print(
-        "\n2. step time through failures vs the assignment's max_load / m (mesh 8x1x1, one ring "
-        "of 8); control: failure-free DP walking the same slot count, same rounds"
-    )
-    print(
-        f"{'r':>2} {'m':>2} {'policy':>8} {'dead':>10} {'L':>3} {'L/m':>6} {'time s':>8} "
-        f"{'ratio':>6} {'vs L/m':>7} {'control':>8} {'vs ctl':>7}"
-    )
-    cases = {1: [((), "adaptive"), ((3,), "adaptive"), ((1, 5), "adaptive")]}
-    if not tiny:
-        cases[4] = [
-            ((), "adaptive"),
-            ((3,), "adaptive"),
-            ((1, 5), "adaptive"),
-            ((1, 4, 6), "adaptive"),
-            ((3,), "fixed"),
-        ]
-    results["load"], results["fit"] = [], []
-    for m, runs in cases.items():
-        out = through_failures(benches, m, runs)
-        results["load"] += out["rows"]
-        results["fit"].append(out["fit"])
-    results["memory"] = memory(benches, meshes, m_free)
-    results["entry_point"] = entry_point(benches, meshes, m_free)
-    results["fit_loop"] = fit_loop(benches, meshes, m_free)
-    results["split_vs_fused"] = split_vs_fused(benches, meshes, m_free)
+    run = set(_SECTIONS.value)
+    if "1" in run:
+        results["spare_vs_dp"] = spare_vs_dp(benches, meshes, m_free)
+    if "2" in run:
+        print(
+            "\n2. step time through failures vs the assignment's max_load / m (mesh 8x1x1, one "
+            "ring of 8); control: failure-free DP walking the same slot count, same rounds"
+        )
+        print(
+            f"{'r':>2} {'m':>2} {'policy':>8} {'dead':>10} {'L':>3} {'L/m':>6} {'time s':>8} "
+            f"{'ratio':>6} {'vs L/m':>7} {'control':>8} {'vs ctl':>7}"
+        )
+        cases = {1: [((), "adaptive"), ((3,), "adaptive"), ((1, 5), "adaptive")]}
+        if not tiny:
+            cases[4] = [
+                ((), "adaptive"),
+                ((3,), "adaptive"),
+                ((1, 5), "adaptive"),
+                ((1, 4, 6), "adaptive"),
+                ((3,), "fixed"),
+            ]
+        results["load"], results["fit"] = [], []
+        for m, runs in cases.items():
+            out = through_failures(benches, m, runs)
+            results["load"] += out["rows"]
+            results["fit"].append(out["fit"])
+    if "3" in run:
+        results["memory"] = memory(benches, meshes, m_free)
+    if "4" in run:
+        results["entry_point"] = entry_point(benches, meshes, m_free)
+    if "5" in run:
+        results["fit_loop"] = fit_loop(benches, meshes, m_free)
+    if "6" in run:
+        results["split_vs_fused"] = split_vs_fused(benches, meshes, m_free)
     if _OUT.value:
         with cli.replace_file(_OUT.value) as f:
             json.dump(results, f, indent=1)

@@ -44,7 +44,7 @@ class Saving:
         for saved in self.ckpt.wait():
             self._note(saved)
         local = self.multi and not self.spanning  # one process's whole replica, on its host
-        state = multihost.local_view(self.state) if local else self.state
+        state = multihost.local_view(self.state) if local else self.step.global_state(self.state)
         if self.spanning:
             stall = self._save_together(state, force or due)
         else:

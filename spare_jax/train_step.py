@@ -629,9 +629,16 @@ class SpareStep:
         """Apply a `reduce`'s sums to ``state`` (donated): the new state and its metrics."""
         with jax.transfer_guard("disallow"):
             if self.domain is not None:
-                new, metrics = self.domain.update(state, grad_sum, loss_sum, table.denom)
-                return self.domain.lift(self.mesh, [new]), metrics
+                # The new replica stays on the domain's mesh: the next step reads it
+                # there without a view; `global_state` puts it on this mesh when asked.
+                return self.domain.update(state, grad_sum, loss_sum, table.denom)
             return self._program("update", state)(state, grad_sum, loss_sum, table.denom)
+
+    def global_state(self, state: TrainState) -> TrainState:
+        """``state`` as arrays over this step's mesh (a split step keeps it on its domain's)."""
+        if self.domain is None:
+            return state
+        return self.domain.lift(self.mesh, [state])
 
     def memory(self, state: TrainState, stacks: Any) -> dict[str, int]:
         """Device bytes of the compiled step per device (XLA's ``memory_analysis``).

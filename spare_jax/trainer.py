@@ -481,7 +481,8 @@ class Trainer(Saving, ProcessLoss, Admission):
         gather it (every one of them calls this at the end of `fit`).
         """
         if self.spanning:
-            return multihost_utils.process_allgather(self.state.params, tiled=True)
+            state = self.step.global_state(self.state)
+            return multihost_utils.process_allgather(state.params, tiled=True)
         return jax.tree.map(multihost.host_copy, self.state.params)
 
     def close(self) -> None:
