@@ -4,11 +4,14 @@ Prints medians over repeated runs (`timeit.repeat`) and the ratios the README's
 benchmark table quotes:
 
     python benchmarks/reorder.py [--repeats 15] [--groups 75000] [--flow_groups 10000]
+    python benchmarks/reorder.py --sections=speeds   # one section (repeat the flag for more)
 
 Targets (the README's benchmark table): adaptive assignment at G = 75,000,
 r = 4, m = 8 with 1% and 5% of groups dead in at most 0.2 s; the general
 max-flow path at G = 10,000, r = 4, m = 1, 2% dead in at most 2 s; memory
-O(G * r).
+O(G * r). Section `speeds`: the speed-aware assignment (stragglers) at the same
+G, r, m, with 1% of the groups at a third of nominal speed, in at most 0.2 s,
+beside the adaptive assignment with every group alive.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ _FLOW_GROUPS = flags.DEFINE_integer(
     lower_bound=8,
     upper_bound=MAX_GROUPS,
 )
+
+_SECTIONS = flags.DEFINE_multi_enum(
+    "sections",
+    ["assign", "flow", "speeds"],
+    ["assign", "flow", "speeds"],
+    "Sections to run: adaptive assignment with dead groups (and incremental updates), "
+    "general max-flow, speed-aware assignment.",
+)
+SLOW_FRACTION, SLOW_SPEED = 0.01, 1 / 3
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:
@@ -92,7 +104,8 @@ def main(argv: list[str]) -> None:
     ring = placement.cyclic(groups, r)
     print(f"reorder benchmark: medians of {repeats} runs, numpy {np.__version__}")
     print(f"{'case':<52} {'median':>10} {'target':>8} {'value':>7}")
-    for fraction in (0.01, 0.05):
+    run = set(_SECTIONS.value)
+    for fraction in (0.01, 0.05) if "assign" in run else ():
         alive = survivable(rng, ring, fraction)
         label = f"G={groups} r={r} m={m} {fraction:.0%} dead"
         assign = functools.partial(reorder.assign, ring, alive, m)
@@ -122,15 +135,38 @@ def main(argv: list[str]) -> None:
         )
         print(f"{'  full max_load / incremental (ratio)':<52} {t_load / t_incr:>9.0f}x")
 
-    groups_f, r_f = _FLOW_GROUPS.value, 4
-    general = placement.from_stacks(placement.cyclic(groups_f, r_f).stacks)
-    alive = survivable(rng, general, 0.02)
-    t_flow = median_s(functools.partial(reorder.assign, general, alive, 1), max(3, repeats // 3))
-    load = reorder.max_load(general, alive, 1)
-    print(
-        f"{f'assign max-flow, G={groups_f} r={r_f} m=1 2% dead':<52} {t_flow * 1e3:>8.1f}ms "
-        f"{'2000ms':>8} {load:>7}"
-    )
+    if "flow" in run:
+        groups_f, r_f = _FLOW_GROUPS.value, 4
+        general = placement.from_stacks(placement.cyclic(groups_f, r_f).stacks)
+        alive = survivable(rng, general, 0.02)
+        t_flow = median_s(
+            functools.partial(reorder.assign, general, alive, 1), max(3, repeats // 3)
+        )
+        load = reorder.max_load(general, alive, 1)
+        print(
+            f"{f'assign max-flow, G={groups_f} r={r_f} m=1 2% dead':<52} {t_flow * 1e3:>8.1f}ms "
+            f"{'2000ms':>8} {load:>7}"
+        )
+
+    if "speeds" in run:
+        # Stragglers: 1% of the groups at a third of nominal speed, none dead. The value
+        # column is the makespan in nominal micro-batch times (the adaptive row: max_load).
+        speeds = np.where(rng.random(groups) < SLOW_FRACTION, SLOW_SPEED, 1.0)
+        label = f"G={groups} r={r} m={m} {SLOW_FRACTION:.0%} at speed 1/3"
+        t_speed = median_s(functools.partial(reorder.assign_by_speed, ring, speeds, m), repeats)
+        t_span = median_s(functools.partial(reorder.makespan, ring, speeds, m), repeats)
+        alive = np.ones(groups, dtype=bool)
+        t_adaptive = median_s(functools.partial(reorder.assign, ring, alive, m), repeats)
+        span = reorder.makespan(ring, speeds, m)
+        print(
+            f"{'assign by speed, ' + label:<52} {t_speed * 1e3:>8.1f}ms {'200ms':>8} {span:>7.2f}"
+        )
+        print(f"{'makespan only, ' + label:<52} {t_span * 1e3:>8.1f}ms {'':>8} {span:>7.2f}")
+        print(
+            f"{f'assign adaptive, G={groups} r={r} m={m} all alive':<52} "
+            f"{t_adaptive * 1e3:>8.1f}ms {'':>8} {reorder.max_load(ring, alive, m):>7}"
+        )
+        print(f"{'  by speed / adaptive (ratio)':<52} {t_speed / t_adaptive:>9.2f}x")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,12 @@ Other placements go through max-flow (scipy's csgraph) with a bisection on the
 load. Replication is special: every live member computes its set's shard.
 For a live set that shrinks one failure at a time, `spare_jax.incremental`
 updates the maximum load in microseconds instead of re-solving.
+
+`assign_by_speed` and `makespan` generalise the adaptive assignment to groups
+of different speeds (stragglers): group g gets at most floor(T * s_g)
+micro-batches and the makespan T is minimised over the candidates k / s_g, by
+the same carry test (ring placements) or max-flow (others) with per-group
+capacities. Equal speeds give `assign`'s loads; speed 0 is a dead group.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ __all__ = [
     "Interruption",
     "alive_mask",
     "assign",
+    "assign_by_speed",
+    "makespan",
     "max_load",
     "uncovered",
 ]
@@ -198,8 +206,13 @@ def _ring_carry(alive2d: np.ndarray, m: int, load: int) -> np.ndarray:
 
     Returns int [rings, n + 1]: column 0 is the carry entering the lap.
     """
-    n = alive2d.shape[1]
-    cap = np.where(alive2d[:, ::-1], load, 0).astype(np.int64)
+    return _ring_carry_caps(np.where(alive2d, load, 0), m)
+
+
+def _ring_carry_caps(cap2d: np.ndarray, m: int) -> np.ndarray:
+    """`_ring_carry` with a capacity per group: int [rings, n] in ring order (0 = dead)."""
+    n = cap2d.shape[1]
+    cap = cap2d[:, ::-1].astype(np.int64)
     step = m - np.concatenate([cap, cap], axis=1)
     total = np.cumsum(step, axis=1)
     carry = total - np.minimum.accumulate(np.minimum(total, 0), axis=1)
@@ -207,17 +220,27 @@ def _ring_carry(alive2d: np.ndarray, m: int, load: int) -> np.ndarray:
 
 
 def _ring_assign(p: Placement, alive: np.ndarray, m: int, load: int):
+    return _ring_assign_caps(p, np.where(alive, load, 0), m, load)
+
+
+def _ring_assign_caps(p: Placement, caps: np.ndarray, m: int, load: int | None = None):
+    """The sweep's assignment under int [G] capacities `caps` (0 = dead).
+
+    `load` is the width of the work table; None takes the largest load.
+    """
     rings = p.rings
     n_rings, n = rings.shape
     r = p.redundancy
-    carry = _ring_carry(alive[rings], m, load)
+    carry = _ring_carry_caps(caps[rings], m)
     if carry.max() > (r - 1) * m:
-        raise AssertionError(f"sweep infeasible at the Hall-optimal load {load}: bug")
+        raise AssertionError(f"sweep infeasible at the optimal capacities (load {load}): bug")
     c_in = carry[:, :1]
     sweep = np.arange(n)
     taken = c_in + (sweep + 1) * m - carry[:, 1:]
     start = np.concatenate([np.zeros((n_rings, 1), np.int64), taken[:, :-1]], axis=1)
     take = taken - start
+    if load is None:
+        load = int(take.max())
     k = np.arange(load)
     valid = k[None, None, :] < take[:, :, None]
     unit = start[:, :, None] + take[:, :, None] - 1 - k[None, None, :]
@@ -251,6 +274,11 @@ def _first_live_holder(p: Placement, alive: np.ndarray) -> np.ndarray:
 
 
 def _flow_graph(p: Placement, alive: np.ndarray, units: int, load: int):
+    return _flow_graph_caps(p, alive, units, np.where(alive, load, 0))
+
+
+def _flow_graph_caps(p: Placement, alive: np.ndarray, units: int, caps: np.ndarray):
+    """Max-flow source -> shard -> live holder -> sink, with int [G] sink capacities."""
     s, g = p.shards, p.groups
     src, sink = 0, s + g + 1
     shard_ids = np.repeat(np.arange(s), p.redundancy)
@@ -258,10 +286,10 @@ def _flow_graph(p: Placement, alive: np.ndarray, units: int, load: int):
     keep = alive[holders]
     rows = np.concatenate([np.zeros(s, np.int64), 1 + shard_ids[keep], 1 + s + np.arange(g)])
     cols = np.concatenate([1 + np.arange(s), 1 + s + holders[keep], np.full(g, sink)])
-    caps = np.concatenate(
-        [np.full(s, units), np.full(keep.sum(), units), np.where(alive, load, 0)]
+    edge_caps = np.concatenate(
+        [np.full(s, units), np.full(keep.sum(), units), np.where(alive, caps, 0)]
     ).astype(np.int32)
-    graph = scipy.sparse.csr_array((caps, (rows, cols)), shape=(sink + 1, sink + 1))
+    graph = scipy.sparse.csr_array((edge_caps, (rows, cols)), shape=(sink + 1, sink + 1))
     return scipy.sparse.csgraph.maximum_flow(graph, src, sink, method="dinic")
 
 
@@ -383,3 +411,204 @@ def assign(
     for array in (owner, loads, work, counted, alive):
         array.setflags(write=False)
     return Assignment(placement, alive, m, policy, owner, loads, int(loads.max()), work, counted)
+
+
+# ---------------------------------------------------------------- speed-aware assignment
+
+# Slack added to T * s_g before flooring, so that T = k / s_g gives group g exactly k
+# micro-batches despite rounding.
+_SPEED_TOL = 1e-9
+# The makespan search lists the candidates k / s left in its bracket once they are this few.
+_MAX_LISTED = 1 << 16
+
+
+def _check_speeds(placement: Placement, speeds: object, microbatches: int) -> np.ndarray:
+    """`speeds` as float64 [G], or ValueError naming what is wrong."""
+    checks.integer("microbatches", microbatches, low=1)
+    g = placement.groups
+    values = np.asarray(speeds)
+    if values.dtype == bool or not (
+        np.issubdtype(values.dtype, np.integer) or np.issubdtype(values.dtype, np.floating)
+    ):
+        raise ValueError(
+            f"speeds must be a real-valued array of shape ({g},), got {values.dtype} {values.shape}"
+        )
+    if values.shape != (g,):
+        raise ValueError(f"speeds must have shape ({g},), one per group; got {values.shape}")
+    values = values.astype(np.float64)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise ValueError(f"speeds must be finite; group {first} has speed {values[first]}")
+    if (values < 0).any():
+        first = int(np.argmax(values < 0))
+        raise ValueError(
+            f"speeds must be >= 0 (0 marks a dead group); group {first} has speed {values[first]:g}"
+        )
+    return values
+
+
+def _speed_caps(speeds: np.ndarray, t: float, limit: int) -> np.ndarray:
+    """Capacities floor(t * s + tolerance) of groups of speeds `speeds`, at most `limit`."""
+    return np.floor(np.minimum(t * speeds + _SPEED_TOL, limit)).astype(np.int64)
+
+
+def _snap(rates: np.ndarray, t: float, limit: int) -> float:
+    """The largest candidate k / s (s in `rates`) not above the caps of `t`.
+
+    Its caps are at least those of `t`, so it is feasible whenever `t` is.
+    """
+    return float(np.max(_speed_caps(rates, t, limit) / rates))
+
+
+def _count_between(rates: np.ndarray, limit: int, lo: float, hi: float) -> float:
+    """How many k / s lie strictly between `lo` and `hi` (s in `rates`, k in 1..limit), with
+    repeats, up to rounding at the ends."""
+    first = np.maximum(np.floor(lo * rates) + 1.0, 1.0)
+    last = np.minimum(np.ceil(hi * rates) - 1.0, float(limit))
+    return float(np.maximum(last - first + 1.0, 0.0).sum())
+
+
+def _list_between(rates: np.ndarray, limit: int, lo: float, hi: float) -> np.ndarray:
+    """Sorted distinct k / s strictly between `lo` and `hi` (s in `rates`, k in 1..limit)."""
+    below = np.floor(lo * rates)
+    above = np.ceil(hi * rates)
+    first = np.maximum(below + 1.0, 1.0)
+    count = np.maximum(np.minimum(above - 1.0, float(limit)) - first + 1.0, 0.0).astype(np.int64)
+    ends = np.cumsum(count)
+    k = np.repeat(first, count) + (np.arange(int(ends[-1])) - np.repeat(ends - count, count))
+    # The ends, rounded the other way, may still fall strictly inside.
+    edges = np.concatenate([below, above])
+    edge_rates = np.concatenate([rates, rates])
+    keep = (edges >= 1) & (edges <= limit)
+    values = np.concatenate([k / np.repeat(rates, count), edges[keep] / edge_rates[keep]])
+    return np.unique(values[(values > lo) & (values < hi)])
+
+
+def _smallest_makespan(feasible, rates: np.ndarray, limit: int, lo: float, hi: float) -> float:
+    """Smallest candidate k / s (s in `rates`, k in 1..limit) at which `feasible` holds.
+
+    `hi` is a feasible candidate and no candidate at or below `lo` is feasible.
+    While the bracket holds more than `_MAX_LISTED` candidates, bisect on T as a
+    float (a feasible midpoint snaps down to a candidate); then list the rest
+    and bisect over them.
+    """
+    while _count_between(rates, limit, lo, hi) > _MAX_LISTED:
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        if not feasible(mid):
+            lo = mid
+            continue
+        snapped = _snap(rates, mid, limit)
+        if snapped >= hi:  # the bracket is within the tolerance: list what is left
+            break
+        hi = snapped
+    listed = _list_between(rates, limit, lo, hi)
+    a, b = 0, listed.size
+    while a < b:
+        mid = (a + b) // 2
+        if feasible(float(listed[mid])):
+            b = mid
+        else:
+            a = mid + 1
+    return float(listed[a]) if a < listed.size else hi
+
+
+def _speed_optimum(p: Placement, speeds: np.ndarray, m: int) -> float:
+    """The optimal makespan; every shard must have a live holder."""
+    alive = speeds > 0
+    live = speeds[alive]
+    units = p.shard_units * m
+    if p.duplicate_work:
+        return float(units / live.min())
+    limit = p.depth * units
+    total = p.shards * units
+    # Upper bound: each shard whole to its first live holder (a feasible candidate).
+    fixed = np.bincount(_first_live_holder(p, alive), minlength=p.groups)[alive] * units
+    hi = float(np.max(fixed / live))
+    if not np.isfinite(hi):
+        raise ValueError("speeds span too wide a range: a makespan overflows a float")
+    # Lower bound: below it the capacities add up to less than the work.
+    lo = max(0.0, (total - live.size * _SPEED_TOL) / float(live.sum())) * (1.0 - 1e-9)
+    if p.rings is not None:
+        speed2d = speeds[p.rings]
+        n, r = p.rings.shape[1], p.redundancy
+
+        def feasible(t: float) -> bool:
+            cap2d = _speed_caps(speed2d, t, limit)
+            if np.any(cap2d.sum(axis=1) < n * m):
+                return False
+            return bool(_ring_carry_caps(cap2d, m).max() <= (r - 1) * m)
+
+    else:
+
+        def feasible(t: float) -> bool:
+            caps = _speed_caps(speeds, t, limit)
+            return _flow_graph_caps(p, alive, units, caps).flow_value == total
+
+    return _smallest_makespan(feasible, np.unique(live), limit, lo, hi)
+
+
+def makespan(placement: Placement, speeds: np.ndarray, microbatches: int = 1) -> float:
+    """The step's optimal makespan with groups of different speeds.
+
+    Args:
+        placement: who holds which shard.
+        speeds: float [G] relative throughput of each group (1 = nominal, 0 = dead).
+        microbatches: m, micro-batches per shard in failure-free units.
+
+    Returns:
+        min over exact assignments of max_g load_g / speeds[g], in units of one
+        micro-batch at nominal speed; one of the values k / speeds[g].
+
+    Raises:
+        ValueError: `speeds` is not G finite values >= 0, or `microbatches` < 1.
+        Interruption: some shard has no holder of speed > 0.
+    """
+    speeds = _check_speeds(placement, speeds, microbatches)
+    _raise_if_interrupted(placement, speeds > 0)
+    return _speed_optimum(placement, speeds, int(microbatches))
+
+
+def assign_by_speed(placement: Placement, speeds: np.ndarray, microbatches: int = 1) -> Assignment:
+    """Assign every (shard, micro-batch) to one holder of speed > 0, minimising the makespan.
+
+    Group g computes at most floor(T * speeds[g]) micro-batches (up to a 1e-9
+    tolerance) at the optimal makespan T = `makespan(...)`, so
+    max_g loads[g] / speeds[g] == T. Equal speeds give the loads of
+    `assign(placement, speeds > 0, microbatches)`; a speed of 0 is a dead group.
+    Replication ignores speeds beyond that: every live member computes its set's
+    shard, and the makespan is r m over the slowest live speed.
+
+    The returned `Assignment` has policy "adaptive" and `alive == (speeds > 0)`.
+
+    Raises:
+        ValueError: `speeds` is not G finite values >= 0, or `microbatches` < 1.
+        Interruption: some shard has no holder of speed > 0.
+    """
+    speeds = _check_speeds(placement, speeds, microbatches)
+    alive = speeds > 0
+    _raise_if_interrupted(placement, alive)
+    m = int(microbatches)
+    t = _speed_optimum(placement, speeds, m)
+    units = placement.shard_units * m
+    if placement.duplicate_work:
+        owner = np.repeat(_first_live_holder(placement, alive)[:, None], units, axis=1)
+        loads, work, counted = _work_from_owner(placement, alive, owner)
+    else:
+        caps = _speed_caps(speeds, t, placement.depth * units)
+        if placement.rings is not None:
+            owner, loads, work = _ring_assign_caps(placement, caps, m)
+            counted = work[:, :, 0] >= 0
+        else:
+            flow = _flow_graph_caps(placement, alive, units, caps)
+            if flow.flow_value != placement.shards * units:
+                raise AssertionError(f"max-flow infeasible at the optimal makespan {t}: bug")
+            owner = _owner_from_flow(placement, flow)
+            loads, work, counted = _work_from_owner(placement, alive, owner)
+    for array in (owner, loads, work, counted, alive):
+        array.setflags(write=False)
+    return Assignment(
+        placement, alive, m, "adaptive", owner, loads, int(loads.max()), work, counted
+    )
