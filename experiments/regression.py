@@ -15,7 +15,9 @@ the parameters and the micro-batches' rows FSDP-style, a second one shards the
 hidden layer tensor-style. ``--input=units`` reads only the rows of the groups
 each process holds (``batches(t, units)``, `spare_jax.inputs`); ``global``
 builds the whole global batch on every process. The last line says how many
-rows this process read. Everything fault-tolerant comes from three calls:
+rows this process read. ``--compile_cache`` places JAX's persistent
+compilation cache (default ``WORKDIR/compile_cache``; ``off``: none).
+Everything fault-tolerant comes from three calls:
 `spare_jax.initialize`, `spare_jax.make_train_step`, `spare_jax.fit`. At the
 end each process writes its parameters to ``WORKDIR/params-<process>.npz``
 (the tests compare them, leaf by leaf, to a single-device `jax.grad` run).
@@ -50,6 +52,12 @@ _MESH = flags.DEFINE_list(
 )
 _INPUT = flags.DEFINE_enum(
     "input", "global", ["global", "units"], "batches(t) on every process, or per-unit rows."
+)
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache",
+    "",
+    "JAX's persistent compilation cache: a directory; '' for fit's default "
+    "(WORKDIR/compile_cache); 'off' for none.",
 )
 ROWS = 4  # rows of one micro-batch
 MICROBATCHES = 2
@@ -111,6 +119,11 @@ OPTIMIZER = optax.adamw(1e-2)
 def main(argv: list[str]) -> None:
     del argv
     workdir = cli.output_dir("workdir", _WORKDIR.value)
+    compile_cache: str | bool | None = None  # '': fit's default place
+    if _COMPILE_CACHE.value == "off":
+        compile_cache = False
+    elif _COMPILE_CACHE.value:
+        compile_cache = cli.output_dir("compile_cache", _COMPILE_CACHE.value)
     if not spare_jax.initialize():  # a lone process: simulate the mesh's devices on CPU
         jax.config.update("jax_num_cpu_devices", 8)
 
@@ -148,6 +161,7 @@ def main(argv: list[str]) -> None:
         workdir=workdir,
         failures=_FAILURES.value or None,
         checkpoint_steps=_CHECKPOINT_STEPS.value or None,
+        compile_cache=compile_cache,
     )
     path = os.path.join(workdir, f"params-{jax.process_index()}.npz")
     np.savez(path, **result.params)

@@ -305,6 +305,7 @@ def _train(run, failures, workdir, config, joined) -> int:
             warmup_steps=int(ck.warmup_steps),
             precompile_failures=_PRECOMPILE.value,
             on_step=on_step,
+            compile_cache=None if _COMPILATION_CACHE.value else False,  # set in _start_jax
         )
     except errors.FitError as err:
         bar.close()

@@ -18,7 +18,9 @@ survivors), `incremental` (per-failure load updates). The model of a cluster:
 (discrete-event simulator). The data plane: `mesh`, `slots` (a step's slot
 table), `train_step` (the step and `make_train_step`), `inputs` (what each process
 reads: the global batch or only its own units' rows). Fault tolerance:
-`fitting` (`fit`), `trainer` (the one owner of a run), `liveness` (simulated failures and
+`fitting` (`fit`), `trainer` (the one owner of a run; its parts `saving`, `recovery`,
+`admission`), `domains` (the multi-process step split by failure domain),
+`compile_cache` (JAX's persistent compilation cache), `liveness` (simulated failures and
 re-joins), `checkpoint` (Orbax at the model's interval), `runlog` (metrics,
 summary, notices), `multihost` (real process failures), `errors` (exit
 statuses), `launch` (the launcher), `testing` (the fault injector), `jax_internals`

@@ -18,6 +18,7 @@ from jax.experimental.multihost_utils import live_devices
 from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import (
+    compile_cache,
     errors,
     inputs,
     multihost,
@@ -130,7 +131,9 @@ class Admission:
         self.input_rows += rows
         self._next = (self.step, self.t, stacks, rows)
         self._at("compile")
+        hits = compile_cache.counts()["cache_hits"]
         compile_s = self.step.precompile(self.state, stacks)
+        hits = compile_cache.counts()["cache_hits"] - hits
         self.joining = {
             "process": epoch.joiners,
             "groups": self._rejoined,
@@ -138,6 +141,7 @@ class Admission:
             "started": rejoin.start_times(epoch) if self._is_writer() else {},
             "transfer_s": round(placed - start, 6),
             "compile_s": round(compile_s, 6),
+            "cache_hits": hits,
             "bytes": nbytes,
         }
         if self.replacement:

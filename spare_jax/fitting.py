@@ -11,7 +11,9 @@ again. `fit` checkpoints with Orbax at the interval the analytical model finds
 optimal (or every ``checkpoint_steps``), masks failed groups exactly, rolls
 back when a shard has no live holder, resumes from ``workdir`` when rerun,
 and, in a multi-process job, lets the survivors of a dead process finish the
-step without it. See `spare_jax.trainer.Trainer` for the way a failure takes.
+step without it. Compiled programs go to JAX's persistent compilation cache
+(``WORKDIR/compile_cache``), so a rerun or a relaunch loads them. See
+`spare_jax.trainer.Trainer` for the way a failure takes.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from absl import logging as absl_logging
 
 from spare_jax import checks, inputs, liveness, testing
+from spare_jax import compile_cache as cache_lib
 from spare_jax import train_step as step_lib
 from spare_jax.trainer import Trainer
 
@@ -120,6 +123,48 @@ def _workdir(path: str) -> str:
     return path
 
 
+def _cache_setting(value: Any) -> str | bool | None:
+    """``compile_cache`` checked: a directory, None (the default place) or False (off)."""
+    if value is None or value is True:
+        return None
+    if value is False:
+        return False
+    if isinstance(value, str | os.PathLike) and str(value):
+        return os.fspath(value)
+    raise ValueError(
+        f"compile_cache must be a directory, None (the default place) or False (off), got {value!r}"
+    )
+
+
+@contextlib.contextmanager
+def _compile_cache(setting: str | bool | None, workdir: str) -> Iterator[None]:
+    """JAX's persistent compilation cache on for the run, then JAX's settings as they were.
+
+    ``setting`` from `_cache_setting`. The default place is the directory JAX
+    is already configured with (``JAX_COMPILATION_CACHE_DIR``, say), else
+    ``WORKDIR/compile_cache``.
+    """
+    if setting is False:
+        yield
+        return
+    directory = setting or cache_lib.configured()
+    if directory is None:
+        directory = os.path.join(workdir, "compile_cache")
+        if os.path.islink(directory):
+            raise ValueError(f"{directory} is a symbolic link; refusing to write through it")
+    with cache_lib.enabled(directory) as path:
+        try:
+            yield
+        finally:
+            seen = cache_lib.counts()
+            absl_logging.info(
+                "compile cache %s: %d programs loaded, %d compiled",
+                path,
+                seen["cache_hits"],
+                seen["cache_misses"],
+            )
+
+
 def _check_first_batch(step: step_lib.SpareStep, batches: Callable[..., Any]) -> int:
     """Step 0's input has the shape the step needs (ValueError naming it); the rows read.
 
@@ -158,6 +203,7 @@ def fit(
     warmup_steps: int = 3,
     precompile_failures: bool = False,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    compile_cache: str | None | bool = None,
 ) -> FitResult:
     """Train ``steps`` steps of ``step`` from ``params`` through every failure; resume if rerun.
 
@@ -188,6 +234,14 @@ def fit(
         precompile_failures: multi-process: compile at start-up the step each
             single process failure would leave (a recovery then compiles nothing).
         on_step: called with each step's record (the ``metrics.jsonl`` fields).
+        compile_cache: where JAX's persistent compilation cache keeps the
+            compiled programs, so that a rerun or a relaunched job loads them
+            instead of compiling them again. None (or True): the directory JAX
+            is already configured with (``JAX_COMPILATION_CACHE_DIR``), else
+            ``WORKDIR/compile_cache``; a path: that directory; False: `fit`
+            turns on no cache. JAX's cache settings are process-wide: `fit`
+            sets them before its first compile and puts them back when it
+            returns (`spare_jax.compile_cache`).
 
     Returns:
         `FitResult`: the final parameters (host NumPy) and the summary.
@@ -214,30 +268,33 @@ def fit(
     warmup_steps = checks.integer("warmup_steps", warmup_steps, low=1)
     max_rollbacks = checks.integer("max_rollbacks", max_rollbacks, low=0)
     gpu_mtbf_hours = checks.number("gpu_mtbf_hours", gpu_mtbf_hours, low=0.0, low_open=True)
+    cache = _cache_setting(compile_cache)
     first_rows = _check_first_batch(step, batches)  # every argument checked: now the files
-    trainer = Trainer(
-        step,
-        params,
-        batches,
-        _workdir(workdir),
-        steps=steps,
-        failures=schedule,
-        checkpoint_steps=pinned,
-        keep=keep,
-        warmup_steps=warmup_steps,
-        max_rollbacks=max_rollbacks,
-        gpu_mtbf_hours=gpu_mtbf_hours,
-        precompile_failures=bool(precompile_failures),
-        on_step=on_step,
-        fault_hook=testing.fault_hook_from_env(),
-    )
-    trainer.input_rows += first_rows
-    with _preemption_notice() as notice:
-        trainer.preemption = notice
-        try:
-            trainer.start()
-            trainer.loop()
-            summary = trainer.finish()
-            return FitResult(trainer.params(), summary, trainer.log.writer, trainer.input_rows)
-        finally:
-            trainer.close()
+    workdir = _workdir(workdir)
+    with _compile_cache(cache, workdir):  # before the trainer compiles anything
+        trainer = Trainer(
+            step,
+            params,
+            batches,
+            workdir,
+            steps=steps,
+            failures=schedule,
+            checkpoint_steps=pinned,
+            keep=keep,
+            warmup_steps=warmup_steps,
+            max_rollbacks=max_rollbacks,
+            gpu_mtbf_hours=gpu_mtbf_hours,
+            precompile_failures=bool(precompile_failures),
+            on_step=on_step,
+            fault_hook=testing.fault_hook_from_env(),
+        )
+        trainer.input_rows += first_rows
+        with _preemption_notice() as notice:
+            trainer.preemption = notice
+            try:
+                trainer.start()
+                trainer.loop()
+                summary = trainer.finish()
+                return FitResult(trainer.params(), summary, trainer.log.writer, trainer.input_rows)
+            finally:
+                trainer.close()

@@ -23,6 +23,7 @@ from jax.experimental.multihost_utils import ProcessFailureError
 from jax.sharding import Mesh
 
 from spare_jax import (
+    compile_cache,
     domains,
     errors,
     inputs,
@@ -106,8 +107,9 @@ class ProcessLoss:
         stacks, rows = inputs.load(step, self.batches, self.t)  # the same units: no new data
         self.input_rows += rows
         self._next = (step, self.t, stacks, rows)
-        before = self.compiled()
+        before, hits = self.compiled(), compile_cache.counts()["cache_hits"]
         compile_s = 0.0 if step.compiled() else step.precompile(self.state, stacks)
+        hits = compile_cache.counts()["cache_hits"] - hits
         self.step, self._ready = step, {}
         recompiled = {k: n - before.get(k, 0) for k, n in self.compiled().items()}
         self.lost_processes = sorted({*self.lost_processes, *dead_procs, *leaving})
@@ -131,6 +133,7 @@ class ProcessLoss:
             rebuild_s=round(rebuilt - detected, 6),
             compile_s=round(compile_s, 6),
             compiled={k: n for k, n in recompiled.items() if n},
+            cache_hits=hits,
         )
         runlog.notice(
             f"process(es) {dead_procs} (groups {dead_groups}) declared dead during step "

@@ -43,6 +43,7 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from spare_jax import checkpoint as ckpt_lib
 from spare_jax import (
+    compile_cache,
     errors,
     fingerprint,
     inputs,
@@ -344,6 +345,7 @@ class Trainer(Saving, ProcessLoss, Admission):
             "overhead": load / self.step.microbatches,
             "grad_norm": float(metrics["grad_norm"]),
             "compiles": sum(self.compiled().values()),
+            "cache_hits": compile_cache.counts()["cache_hits"],
             "exact": self.step.policy != "drop",
             "input_rows": rows,
         }

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
 from test_layouts import LAYOUTS, global_batch, init_params, make_step, reference
 from test_library import assert_close
 

@@ -4,8 +4,8 @@ the job's own launch directory, and the binaries run as modules."""
 from __future__ import annotations
 
 import subprocess
-import time
 import sys
+import time
 
 import launching as lj
 import pytest

@@ -1,0 +1,205 @@
+"""JAX's persistent compilation cache: switched on for a directory, and its hits counted.
+
+A relaunched job (after a process loss, a preemption or a rerun) builds the
+same programs again. With the cache on, each process looks every program up
+on disk before compiling it and loads it when it is there, so a relaunch or a
+resume skips most of its compiles. `spare_jax.fit` turns it on, under
+``WORKDIR/compile_cache`` unless told otherwise.
+
+JAX's cache settings are process-wide configuration: `enable` changes them for
+every later compile in the process, and `snapshot` / `restore` (or `enabled`,
+which pairs them) give them back. The counts come from the events JAX records
+through `jax.monitoring` (public API); the only other JAX call is
+``reset_cache``, public under ``jax.experimental.compilation_cache``.
+
+Which programs a cache can serve (JAX 0.10): every process reads it, but only
+the process whose ``jax.distributed`` id is 0 writes it, and on CPU the key
+holds the program's device assignment. docs/library.md says what that means
+for a relaunched job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Iterator
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as _jax_cache
+
+__all__ = [
+    "Snapshot",
+    "configured",
+    "counts",
+    "enable",
+    "enabled",
+    "restore",
+    "retrieval_seconds",
+    "snapshot",
+]
+
+# The configuration options enable() sets (jax/_src/config.py).
+_DIR = "jax_compilation_cache_dir"
+_MIN_COMPILE_S = "jax_persistent_cache_min_compile_time_secs"  # JAX's default: 1 s
+_MIN_ENTRY_BYTES = "jax_persistent_cache_min_entry_size_bytes"  # -1: no minimum, no override
+
+# The events JAX records (jax/_src/compiler.py, jax/_src/compilation_cache.py).
+_LOOKUP = "/jax/compilation_cache/compile_requests_use_cache"  # each compile that asks the cache
+_HIT = "/jax/compilation_cache/cache_hits"  # ... and found its program there
+_WRITE = "/jax/compilation_cache/cache_misses"  # recorded only when an entry is written
+_RETRIEVAL_S = "/jax/compilation_cache/cache_retrieval_time_sec"  # a hit's read and load
+
+
+class _Counter:
+    """The cache events of this process since the last `reset`.
+
+    JAX keeps a listener for the life of the process, so the listeners are
+    registered once and bound to this one object, which holds the counts and
+    the lock that guards them (compiles may run on several threads).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._registered = False
+        self._counts = {_LOOKUP: 0, _HIT: 0, _WRITE: 0}
+        self._retrieval_s = 0.0
+
+    def register(self) -> None:
+        with self._lock:
+            if self._registered:
+                return
+            self._registered = True
+        jax.monitoring.register_event_listener(self._event)
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts = dict.fromkeys(self._counts, 0)
+            self._retrieval_s = 0.0
+
+    def _event(self, event: str, **kwargs: str | int) -> None:
+        del kwargs
+        # JAX records a lookup even with no directory set (nothing to find): not one of ours.
+        if event in self._counts and (event != _LOOKUP or configured() is not None):
+            with self._lock:
+                self._counts[event] += 1
+
+    def _duration(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        del kwargs
+        if event == _RETRIEVAL_S:
+            with self._lock:
+                self._retrieval_s += float(duration_secs)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            hits, lookups = self._counts[_HIT], self._counts[_LOOKUP]
+            return {
+                "cache_hits": hits,
+                "cache_misses": lookups - hits,
+                "cache_writes": self._counts[_WRITE],
+            }
+
+    def retrieval_seconds(self) -> float:
+        with self._lock:
+            return self._retrieval_s
+
+
+_COUNTER = _Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """JAX's cache settings at one moment (`snapshot`), to put back with `restore`."""
+
+    directory: str | None
+    min_compile_time_secs: float
+    min_entry_size_bytes: int
+
+
+def configured() -> str | None:
+    """The directory JAX's persistent cache uses now (None: no cache).
+
+    Set by `enable`, by ``jax.config.update("jax_compilation_cache_dir", ...)``
+    or by the ``JAX_COMPILATION_CACHE_DIR`` environment variable.
+    """
+    return getattr(jax.config, _DIR) or None
+
+
+def snapshot() -> Snapshot:
+    """The cache settings in force, for `restore`."""
+    return Snapshot(
+        configured(), getattr(jax.config, _MIN_COMPILE_S), getattr(jax.config, _MIN_ENTRY_BYTES)
+    )
+
+
+def _set_directory(directory: str | None) -> None:
+    """Point JAX at ``directory``, reopening its cache if that changes the directory.
+
+    JAX opens its cache once, at the first compile after a directory is set,
+    and keeps that one: a new directory takes effect only after a reset.
+    """
+    if configured() == directory:
+        return
+    jax.config.update(_DIR, directory)
+    _jax_cache.reset_cache()
+
+
+def restore(saved: Snapshot) -> None:
+    """Put back the settings of ``saved`` (the counts go on)."""
+    _set_directory(saved.directory)
+    jax.config.update(_MIN_COMPILE_S, saved.min_compile_time_secs)
+    jax.config.update(_MIN_ENTRY_BYTES, saved.min_entry_size_bytes)
+
+
+def enable(directory: str | os.PathLike[str]) -> str:
+    """Cache every program this process compiles from now on in ``directory``.
+
+    Creates the directory, points JAX at it, and lowers JAX's thresholds so
+    that every program is written (by default JAX skips a program that
+    compiled in under a second, which on CPU is most of them). Calling it
+    again with the same directory changes nothing but the counts, which
+    start from zero at every call.
+
+    Returns:
+        The directory, as an absolute path.
+
+    Raises:
+        ValueError: ``directory`` exists and is not a directory.
+    """
+    path = os.path.abspath(os.fspath(directory))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"compile cache {path} exists and is not a directory")
+    os.makedirs(path, exist_ok=True)
+    _COUNTER.register()
+    _set_directory(path)
+    jax.config.update(_MIN_COMPILE_S, 0.0)
+    jax.config.update(_MIN_ENTRY_BYTES, -1)
+    _COUNTER.reset()
+    return path
+
+
+@contextlib.contextmanager
+def enabled(directory: str | os.PathLike[str]) -> Iterator[str]:
+    """`enable` ``directory`` for the ``with`` block, then `restore` the settings before it."""
+    saved = snapshot()
+    try:
+        yield enable(directory)
+    finally:
+        restore(saved)
+
+
+def counts() -> dict[str, int]:
+    """This process's cache lookups since the last `enable`.
+
+    ``cache_hits``: programs loaded from the cache instead of compiled;
+    ``cache_misses``: programs looked up, not found, and compiled;
+    ``cache_writes``: entries this process wrote (only process 0 writes any).
+    """
+    return _COUNTER.counts()
+
+
+def retrieval_seconds() -> float:
+    """Seconds spent reading and loading the hits counted by `counts`."""
+    return _COUNTER.retrieval_seconds()

@@ -1,0 +1,126 @@
+"""spare_jax.compile_cache and `fit`'s default cache: programs written, then loaded, and counted.
+
+JAX's cache settings are process-wide: the fixture takes them away (this
+session's cache, from conftest) for each test and puts them back after, so no
+other test sees a change.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import regression
+
+import spare_jax
+from spare_jax import compile_cache
+
+
+@pytest.fixture
+def no_cache():
+    """No cache configured during the test; the session's settings back afterwards."""
+    saved = compile_cache.snapshot()
+    compile_cache.restore(compile_cache.Snapshot(None, 1.0, 0))  # JAX's defaults
+    try:
+        yield
+    finally:
+        compile_cache.restore(saved)
+    assert compile_cache.snapshot() == saved
+
+
+def _entries(directory: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith("-cache"))
+
+
+def _step():
+    mesh = spare_jax.make_mesh((1, 4, 2))
+    return spare_jax.make_train_step(
+        regression.loss_fn, regression.OPTIMIZER, mesh, redundancy=2, microbatches=2
+    )
+
+
+def _fit(workdir: pathlib.Path, **kwargs):
+    return spare_jax.fit(
+        _step(),
+        regression.init_params(),
+        regression.batches,
+        steps=2,
+        workdir=str(workdir),
+        **kwargs,
+    )
+
+
+def test_a_second_compile_loads_the_first(no_cache, tmp_path):
+    where = tmp_path / "cache"
+    assert compile_cache.enable(where) == str(where) and where.is_dir()
+    assert compile_cache.enable(str(where)) == str(where)  # idempotent
+    x = jnp.arange(7.0)
+    want = np.sin(np.arange(7.0)) * 3.0 + 21.0
+
+    def program(v):
+        return jnp.sin(v) * 3.0 + v.sum()
+
+    jax.jit(program)(x).block_until_ready()
+    first = compile_cache.counts()
+    assert first["cache_hits"] == 0 and first["cache_misses"] >= 1
+    assert first["cache_writes"] == first["cache_misses"]  # a lone process is process 0
+    written = _entries(where)
+    assert any(name.startswith("jit_program-") for name in written), written
+
+    jax.clear_caches()  # forget the compiled program in memory: only the disk has it now
+    np.testing.assert_allclose(jax.jit(program)(x), want, rtol=1e-6)
+    second = compile_cache.counts()
+    assert second["cache_hits"] >= 1, second
+    assert second["cache_misses"] == first["cache_misses"], "the second compile compiled"
+    assert _entries(where) == written  # nothing new
+    assert compile_cache.retrieval_seconds() > 0.0
+
+
+def test_a_new_directory_takes_effect_and_restore_gives_the_old_back(no_cache, tmp_path):
+    before = compile_cache.snapshot()
+    with compile_cache.enabled(tmp_path / "a"):
+        jax.jit(lambda v: v * 5.0)(jnp.ones(3)).block_until_ready()
+        compile_cache.enable(tmp_path / "b")  # a cache JAX has opened: reopened elsewhere
+        jax.jit(lambda v: v * 6.0)(jnp.ones(3)).block_until_ready()
+    assert compile_cache.snapshot() == before
+    assert _entries(tmp_path / "a") and _entries(tmp_path / "b")
+    assert not set(_entries(tmp_path / "a")) & set(_entries(tmp_path / "b"))
+    with pytest.raises(ValueError, match="not a directory"):
+        (tmp_path / "file").write_text("mine")
+        compile_cache.enable(tmp_path / "file")
+
+
+def test_fit_caches_under_the_workdir_unless_told_otherwise(no_cache, tmp_path):
+    before = compile_cache.snapshot()
+    _fit(tmp_path / "run")
+    written = _entries(tmp_path / "run" / "compile_cache")
+    assert written and compile_cache.counts()["cache_misses"] >= 1
+    assert compile_cache.snapshot() == before  # fit put JAX's settings back
+
+    jax.clear_caches()  # a relaunch, as far as this process can tell: load, do not compile
+    _fit(tmp_path / "again", compile_cache=str(tmp_path / "run" / "compile_cache"))
+    assert not (tmp_path / "again" / "compile_cache").exists()
+    seen = compile_cache.counts()
+    assert seen["cache_hits"] >= 1, seen
+
+    _fit(tmp_path / "off", compile_cache=False)
+    assert not (tmp_path / "off" / "compile_cache").exists()
+    assert compile_cache.snapshot() == before
+
+
+def test_fit_keeps_a_cache_jax_is_configured_with(no_cache, tmp_path):
+    compile_cache.restore(compile_cache.Snapshot(str(tmp_path / "mine"), 1.0, 0))
+    _fit(tmp_path / "run")
+    assert not (tmp_path / "run" / "compile_cache").exists()
+    assert _entries(tmp_path / "mine")
+    assert compile_cache.configured() == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("bad", ["", 3, 1.5])
+def test_a_bad_compile_cache_is_named_before_any_file(no_cache, tmp_path, bad):
+    with pytest.raises(ValueError, match="compile_cache"):
+        _fit(tmp_path / "run", compile_cache=bad)
+    assert not (tmp_path / "run").exists()
