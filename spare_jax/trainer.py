@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -192,7 +193,12 @@ class Trainer(Saving, ProcessLoss, Admission):
         self.preemption: Any = None  # set by `spare_jax.fit` in a lone process
         self._resync = False
         self._transient = 0  # failed collectives in a row with every process alive
-        self._warm: set[tuple[int, int]] = set()  # (step, slot bound) pairs run once: compiled
+        # The slot bounds each step has run once (compiled). Keyed by the step object, not
+        # its id(): a step rebuilt after a re-join can get a freed step's id, and a
+        # process that took it for warm would skip the meeting its peers wait in.
+        self._warm: weakref.WeakKeyDictionary[step_lib.SpareStep, set[int]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.joining: dict[str, Any] | None = None  # a re-join waiting for its first step
         self._check_input = True  # the batch contract, at a job's first step (`_check_batch`)
         self.input_rows = 0  # rows this process read from `batches`, every (re)load included
@@ -294,7 +300,7 @@ class Trainer(Saving, ProcessLoss, Admission):
         if self.multi:
             if self._check_input:  # compiled before the block, whose entry lines processes up
                 fingerprint.precompile(stacks)
-            fresh = (id(self.step), self.step.slot_bound) not in self._warm
+            fresh = self.step.slot_bound not in self._warm.get(self.step, ())
             self._at("compile" if fresh else "step")  # a first run compiles: busy, not stuck
             if not self.step.compiled():  # before the block: peers compile at their own pace,
                 self.step.precompile(self.state, stacks)  # the block's entry waits for all
@@ -312,7 +318,7 @@ class Trainer(Saving, ProcessLoss, Admission):
                             vote = multihost.agree(self.step.mesh, self.ckpt.due(self.t + 1))
                         if fresh:  # compiled; the update compiles next, at its own pace:
                             self._at("step")  # meet before the next step's collectives
-                            self._warm.add((id(self.step), self.step.slot_bound))
+                            self._warm.setdefault(self.step, set()).add(self.step.slot_bound)
                             self._resync = True
                         self._prefetch(self.t + 1)
                         jax.block_until_ready(sums)
