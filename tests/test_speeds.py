@@ -9,6 +9,7 @@ import scipy.sparse
 import scipy.sparse.csgraph
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_reorder import check_valid as check_assignment
 
 from spare_jax import placement, reorder, strategies
 
@@ -80,26 +81,8 @@ def reference_makespan(p, speeds, m):
 def check_valid(a, p, speeds, m, t):
     """Every micro-batch once, to a holder of speed > 0; loads within T s_g; tables agree."""
     alive = speeds > 0
-    units = p.shard_units * m
-    assert a.owner.shape == (p.shards, units)
     assert (a.alive == alive).all()
-    assert alive[a.owner].all()
-    for s in range(p.shards):
-        assert set(a.owner[s].tolist()) <= set(p.holders(s).tolist())
-    counted = np.zeros((p.shards, units), int)
-    for g in range(p.groups):
-        for slot in range(a.max_load):
-            pos, mb = a.work[g, slot]
-            if pos < 0:
-                assert not a.counted[g, slot]
-                continue
-            shard = p.stack(g)[pos]
-            if a.counted[g, slot]:
-                assert a.owner[shard, mb] == g
-                counted[shard, mb] += 1
-    assert (counted == 1).all()
-    assert a.max_load == a.loads.max()
-    assert ((a.work[:, :, 0] >= 0).sum(axis=1) == a.loads).all()
+    check_assignment(a, p, alive, m)  # the adaptive assignment's own checks
     assert (a.loads[~alive] == 0).all()
     assert (a.loads <= np.floor(t * speeds + TOL)).all()
     assert np.max(a.loads[alive] / speeds[alive]) == pytest.approx(t, rel=1e-12)
