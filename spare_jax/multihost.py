@@ -59,7 +59,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from spare_jax import checks, errors, jax_internals, rejoin, runlog
+from spare_jax import checks, domains, errors, jax_internals, rejoin, runlog
 from spare_jax import mesh as mesh_lib
 from spare_jax.job_env import ENV
 
@@ -370,16 +370,9 @@ def survivors_mesh(devices: dict[int, list[jax.Device]], live: Sequence[int], li
     return Mesh(rows, (*mesh_lib.GROUP_AXES, *inner))
 
 
-def _rewrap(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """The same global value on another mesh, from this process's own buffers (no transfer)."""
-    local = {s.device: s.data for s in x.addressable_shards}
-    buffers = [local[d] for d in sharding.addressable_devices]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, buffers)
-
-
 def reshard(state: Any, shardings: Any) -> Any:
     """Re-wrap a group-replicated state onto new shardings over a subset of its devices."""
-    return jax.tree.map(_rewrap, state, shardings)
+    return jax.tree.map(domains.view, state, shardings)
 
 
 def on_mesh(mesh: Mesh, shardings: Any) -> Any:
