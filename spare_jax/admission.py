@@ -8,6 +8,7 @@ the mesh back (`_regrow`); the newcomer takes the state and the job's books
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from jax.experimental.multihost_utils import live_devices
 from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import (
+    broadcast,
     compile_cache,
     errors,
     inputs,
@@ -27,6 +29,15 @@ from spare_jax import (
 )
 
 __all__ = ["Admission"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Moved:
+    """A re-join's transfer as this process saw it (``transfer`` None: it took no part)."""
+
+    bytes: int
+    transfer: broadcast.Transfer | None
+    leaves: list[jax.Array] | None
 
 
 def _host(x: Any) -> Any:
@@ -50,9 +61,11 @@ class Admission:
     def _admit(self, epoch: rejoin.Epoch) -> None:
         """Survivors: hand the state to the newcomers of ``epoch`` and grow the mesh back.
 
-        Every survivor holds a full replica: each keeps its own on the host
-        across the backend reset; the writer also publishes it for the
-        newcomers. Step ``t`` runs next, with every group of the newcomers live.
+        Every survivor holds a full replica: each keeps its own shards on the
+        host across the backend reset and places them again; the writer's
+        group sends its replica to the newcomers' groups over the devices
+        (`spare_jax.broadcast`). Step ``t`` runs next, with every group of the
+        newcomers live.
         """
         if self.spanning:  # no process holds a replica to hand over (yet): start afresh
             raise errors.Relaunch(
@@ -61,22 +74,24 @@ class Admission:
             )
         start = time.time()
         self._wait_for_saves()
-        leaves, treedef = jax.tree.flatten(multihost.local_view(self.state))
-        specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
+        host = jax.tree.leaves(multihost.local_view(self.state))
         self.params0 = jax.tree.map(_host, self.params0)
-        rows, sent = self.live_groups, 0
+        rows = self.live_groups
         if self._is_writer():
-            data = rejoin.pack(leaves, self._record())
-            rejoin.send(epoch, data)
-            sent = len(data)
+            rejoin.send(epoch, self._record())
         self.state, self.step, self._ready = None, None, {}
         rejoin.reset_backend(epoch, fresh=False)
-        self._regrow(epoch, rows, jax.tree.unflatten(treedef, leaves), specs)
-        rejoin.done(epoch)
-        self._joined(epoch, start, sent)
+        self._regrow(epoch, rows)
+        moved = self._move(epoch, rows, host)
+        shardings = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, self._live_abstract()))
+        placed = multihost.from_local(host, shardings)
+        del host
+        self.state = jax.tree.unflatten(jax.tree.structure(self.global_abstract), placed)
+        rejoin.done(epoch, moved.bytes)
+        self._joined(epoch, start, moved)
 
     def _join(self) -> None:
-        """A replacement: wait for the survivors to see us, take a live peer's state, go on."""
+        """A replacement: wait for the survivors to see us, take a live group's state, go on."""
         with live_devices(self._all):
             pass  # the first block every process sees us in: the survivors stop there too
         me = jax.process_index()
@@ -85,23 +100,56 @@ class Admission:
         self._at("join")
         rejoin.announce(epoch)
         rejoin.reset_backend(epoch, fresh=True)
-        data = rejoin.receive(epoch)
-        leaves, meta = rejoin.unpack(data)
-        abstract = self.global_abstract
-        state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
-        specs = jax.tree.map(lambda a: a.sharding.spec, abstract)
+        meta = rejoin.receive(epoch)
         self.t, self.attempt = int(meta["step"]), int(meta["attempt"])
         self.failures.load_state_dict(meta["liveness"])
         self.interval.load(meta["interval"])
         self.lost_processes = [int(p) for p in meta["lost_processes"]]
         self.writer_process, self.rollbacks = int(meta["writer"]), int(meta["rollbacks"])
         self.members = {p for p in epoch.processes if p != me}
-        self._regrow(epoch, [int(g) for g in meta["rows"]], state, specs)
-        rejoin.done(epoch)
-        self._joined(epoch, start, len(data))
-        runlog.notice(f"joined the running job at step {self.t} with the state of a live peer")
+        rows = [int(g) for g in meta["rows"]]
+        self._regrow(epoch, rows)
+        moved = self._move(epoch, rows, None)
+        self.state = jax.tree.unflatten(jax.tree.structure(self.global_abstract), moved.leaves)
+        rejoin.done(epoch, moved.bytes)
+        self._joined(epoch, start, moved)
+        runlog.notice(f"joined the running job at step {self.t} with the state of a live group")
 
-    def _regrow(self, epoch: rejoin.Epoch, rows: list[int], host_state: Any, specs: Any) -> None:
+    def _live_abstract(self) -> Any:
+        """The state's shapes, dtypes and shardings on the step's (live) mesh."""
+        on_step = lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(self.step.mesh, a.sharding.spec)
+        )
+        return jax.tree.map(on_step, self.global_abstract)
+
+    def _move(self, epoch: rejoin.Epoch, rows: list[int], host: list[np.ndarray] | None) -> Any:
+        """The writer's group sends the replica to the newcomers' groups, device to device.
+
+        Only the processes of those groups take part; a newcomer gets its
+        leaves on the live mesh (``leaves``), a sender ``None``.
+        """
+        mine = set(multihost.groups_touching(self.owners, [self.writer_process]).tolist())
+        source = min((g for g in rows if g in mine), default=min(rows))
+        groups = sorted({source, *self._rejoined})
+        mesh = multihost.survivors_mesh(self._by_group, groups, self._template.mesh)
+        abstract = jax.tree.leaves(self._live_abstract())
+        specs = [a.sharding.spec for a in abstract]
+        plan = broadcast.layout(mesh, abstract, specs)
+        me = jax.process_index()
+        taking_part = me in {d.process_index for d in mesh.devices.flat}
+        received, transfer = (
+            broadcast.send_and_receive(mesh, plan, groups.index(source), host)
+            if taking_part
+            else ({}, None)
+        )
+        leaves = (
+            broadcast.assemble(plan, received, abstract, [a.sharding for a in abstract])
+            if me in epoch.joiners
+            else None
+        )
+        return _Moved(plan.payload_bytes, transfer, leaves)
+
+    def _regrow(self, epoch: rejoin.Epoch, rows: list[int]) -> None:
         """The mesh over every live group (the newcomers' again), on this backend's devices."""
         by_id = {d.id: d for d in jax.devices()}
         full = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(self._ids), self._axes)
@@ -116,14 +164,12 @@ class Admission:
             np.asarray(live),
             domain=self._split_for(full),  # a new backend: its programs are new too
         )
-        shardings = jax.tree.map(lambda sp: NamedSharding(self.step.mesh, sp), specs)
-        self.state = multihost.from_local(host_state, shardings)
         self.members |= set(epoch.joiners)
         self.lost_processes = [p for p in self.lost_processes if p not in epoch.joiners]
         self.failures.alive[back] = True
         self._rejoined = back
 
-    def _joined(self, epoch: rejoin.Epoch, start: float, nbytes: int) -> None:
+    def _joined(self, epoch: rejoin.Epoch, start: float, moved: _Moved) -> None:
         """Every process has its state: compile the step for the grown mesh, note the re-join."""
         placed = time.time()
         self._check_input = True
@@ -142,7 +188,9 @@ class Admission:
             "transfer_s": round(placed - start, 6),
             "compile_s": round(compile_s, 6),
             "cache_hits": hits,
-            "bytes": nbytes,
+            "bytes": moved.bytes,
+            "move_s": round(moved.transfer.seconds, 6) if moved.transfer else None,
+            "move_mb_s": round(moved.transfer.rate / 1e6, 3) if moved.transfer else None,
         }
         if self.replacement:
             runlog.emit("joined", step=self.t)
@@ -160,7 +208,7 @@ class Admission:
         self.log.event("rejoin", **joining)
         runlog.notice(
             f"process(es) {joining['process']} re-joined at step {joining['step']} "
-            f"(groups {joining['groups']} live again, {joining['bytes']} bytes from a peer)"
+            f"(groups {joining['groups']} live again, {joining['bytes']} bytes from a live group)"
         )
 
     def _newcomers(self, live: Sequence[jax.Device]) -> list[int]:

@@ -1,0 +1,279 @@
+"""One group's copy of the state to other groups, over the devices (re-join, restore).
+
+A group-replicated state is the same on every group, shard for shard: the
+device at inner coordinate ``c`` of any group holds the same pieces of every
+leaf. To give a group the state, each device of one live **source** group
+streams its pieces, as bytes, to the device at the same inner coordinate of
+every receiving group. The stream is cut into fixed chunks of
+``chunk_bytes`` per device; one small program, compiled once per transfer
+mesh, moves a chunk from the source row to every other row, point to point
+(``ppermute``; each round doubles the rows that hold it), as raw bytes, so
+every bit of every dtype arrives as sent.
+
+Why this shape:
+
+* memory stays proportional to a process's own shards: a sender reads its
+  host copy piece by piece, a receiver fills one buffer per device of its
+  own pieces; nobody builds a replica it does not hold;
+* every collective moves one chunk, so each ends well inside the CPU
+  collective timeout (seconds) whatever the state's size, and a transfer's
+  time grows with its bytes, not its leaf count;
+* the bytes go device to device (Gloo between CPU processes, NCCL on GPU),
+  not through the coordination service, whose messages stop near 2 GiB.
+
+`layout` is pure; `send_and_receive` runs the chunks (every process of the
+transfer mesh calls it, in step); `assemble` turns a receiver's buffers into
+arrays with the state's shardings. Measured in ``benchmarks/state.py``;
+docs/checkpointing.md, "Moving the state".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spare_jax import mesh as mesh_lib
+
+__all__ = ["CHUNK_BYTES", "Layout", "Piece", "assemble", "layout", "send_and_receive"]
+
+CHUNK_BYTES = 8 << 20  # per device and collective; 4-64 MiB ran at 0.5-0.95x this rate here
+_ALIGN = 64  # each piece starts on this boundary, so a receiver's view needs no copy
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One leaf's shard as it sits in a device's byte stream."""
+
+    leaf: int
+    index: tuple[slice, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What each inner coordinate's stream carries, and where a receiver finds each piece.
+
+    A piece that several devices of one group hold (a leaf replicated over an
+    inner axis) travels once, in the stream of one of them, when all of them
+    sit on the same process in every row; a receiver places it on the others
+    from that stream.
+    """
+
+    pieces: dict[int, list[Piece]]  # inner coordinate -> the pieces its stream carries
+    find: dict[tuple[int, int], tuple[int, Piece]]  # (leaf, coordinate) -> (carrier, piece)
+    grid: np.ndarray  # device ids, [row, inner coordinate]; a row is a group
+    chunk_bytes: int
+    chunks: int
+
+    @property
+    def stream_bytes(self) -> int:
+        """The bytes each device's stream holds: the longest stream, padding included."""
+        return self.chunks * self.chunk_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bytes of state one group receives (its distinct pieces)."""
+        return sum(p.nbytes for stream in self.pieces.values() for p in stream)
+
+    def where(self, device_id: int) -> tuple[int, int]:
+        """(row, inner coordinate) of a device of the transfer mesh."""
+        row, coord = np.argwhere(self.grid == device_id)[0]
+        return int(row), int(coord)
+
+
+def layout(
+    mesh: Mesh,
+    abstract: Sequence[Any],
+    specs: Sequence[PartitionSpec],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Layout:
+    """The byte streams of a group-replicated state with these leaves on ``mesh``.
+
+    ``abstract`` holds shapes and dtypes (arrays or ``ShapeDtypeStruct``);
+    ``specs`` the leaves' specs, which name inner axes only. The same on
+    every process: every one derives the chunk count from it.
+    """
+    if chunk_bytes <= 0 or chunk_bytes % 4:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: a positive multiple of 4")
+    devices = mesh.devices.reshape(mesh.devices.shape[0] * mesh.devices.shape[1], -1)
+    grid = np.vectorize(lambda d: d.id, otypes=[int])(devices)
+    # coordinates may share a piece only where one process holds both in every row
+    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(devices)
+    home = {c: tuple(procs[:, c]) for c in range(grid.shape[1])}
+    pieces: dict[int, list[Piece]] = {c: [] for c in home}
+    find: dict[tuple[int, int], tuple[int, Piece]] = {}
+    ends = dict.fromkeys(home, 0)
+    for i, (leaf, spec) in enumerate(zip(abstract, specs, strict=True)):
+        indices = NamedSharding(mesh, spec).devices_indices_map(tuple(leaf.shape))
+        dtype = np.dtype(leaf.dtype)
+        carried: dict[tuple[Any, ...], tuple[int, Piece]] = {}
+        for c in sorted(home, key=lambda c: ends[c]):  # the shortest stream takes a piece
+            index = indices[devices[0, c]]
+            key = (home[c], *((s.start, s.stop) for s in index))
+            if key not in carried:
+                sizes = zip(index, leaf.shape, strict=True)
+                shape = tuple(len(range(*s.indices(n))) for s, n in sizes)
+                piece = Piece(i, index, shape, dtype, -(-ends[c] // _ALIGN) * _ALIGN)
+                pieces[c].append(piece)
+                ends[c] = piece.offset + piece.nbytes
+                carried[key] = (c, piece)
+            find[i, c] = carried[key]
+    chunks = max(-(-e // chunk_bytes) for e in ends.values())
+    return Layout(pieces, find, grid, chunk_bytes, chunks)
+
+
+def _stream(pieces: Sequence[Piece], host: Sequence[np.ndarray], chunk_bytes: int):
+    """A sender's chunks for one device: its pieces' bytes in order, zero padding between."""
+    buf, pos = np.zeros(chunk_bytes, np.uint8), 0
+    for p in pieces:
+        src = np.ascontiguousarray(host[p.leaf][p.index]).reshape(-1).view(np.uint8)
+        at = p.offset - pos  # where it starts, relative to the current chunk
+        while at >= chunk_bytes:
+            yield buf
+            buf, at, pos = np.zeros(chunk_bytes, np.uint8), at - chunk_bytes, pos + chunk_bytes
+        done = 0
+        while done < src.size:
+            n = min(src.size - done, chunk_bytes - at)
+            buf[at : at + n] = src[done : done + n]
+            done, at = done + n, at + n
+            if at == chunk_bytes:
+                yield buf
+                buf, at, pos = np.zeros(chunk_bytes, np.uint8), 0, pos + chunk_bytes
+    while True:  # the padding after the last piece, up to the common chunk count
+        yield buf
+        buf = np.zeros(chunk_bytes, np.uint8)
+
+
+def _rounds(rows: int, source_row: int) -> list[list[tuple[int, int]]]:
+    """Doubling: in each round every row that has the chunk sends it to one that has not."""
+    holders, waiting, rounds = [source_row], [r for r in range(rows) if r != source_row], []
+    while waiting:
+        pairs = list(zip(holders, waiting, strict=False))
+        rounds.append(pairs)
+        holders, waiting = holders + [b for _, b in pairs], waiting[len(pairs) :]
+    return rounds
+
+
+def _program(mesh: Mesh, source_row: int) -> tuple[Any, NamedSharding]:
+    """One chunk from the source row to every row, in ceil(log2(rows)) point-to-point rounds."""
+    inner = mesh_lib.inner_axes(mesh)
+    spec = PartitionSpec(mesh_lib.GROUP_AXES, inner or None, None)
+    rows = mesh.devices.shape[0] * mesh.devices.shape[1]
+
+    def move(x: jax.Array) -> jax.Array:
+        row = jax.lax.axis_index(mesh_lib.GROUP_AXES)
+        for pairs in _rounds(rows, source_row):
+            got = jax.lax.ppermute(x, mesh_lib.GROUP_AXES, pairs)
+            x = jnp.where(jnp.isin(row, jnp.array([b for _, b in pairs])), got, x)
+        return x
+
+    sharding = NamedSharding(mesh, spec)
+    program = jax.shard_map(move, mesh=mesh, in_specs=spec, out_specs=spec)
+    return jax.jit(program, out_shardings=sharding), sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One transfer as a process saw it: a group's bytes of state, seconds, chunks."""
+
+    bytes: int
+    seconds: float
+    compile_s: float
+    chunks: int
+
+    @property
+    def rate(self) -> float:
+        """Bytes of state per second into each receiving group."""
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+def send_and_receive(
+    mesh: Mesh,
+    plan: Layout,
+    source_row: int,
+    host: Sequence[np.ndarray] | None,
+) -> tuple[dict[int, np.ndarray], Transfer]:
+    """Run the transfer; every process with a device on ``mesh`` calls it.
+
+    A process of the source row passes its host copy of the leaves
+    (``host``) and gets ``{}``; a receiver passes ``None`` and gets each of
+    its devices' stream (device id -> bytes). Rows other than the source
+    send zeros.
+    """
+    words = plan.chunk_bytes // 4
+    shape = (*plan.grid.shape, words)
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    senders = [d for d in mine if plan.where(d.id)[0] == source_row]
+    if senders and host is None:
+        raise ValueError("this process holds the source group: pass its host copy")
+    streams = {
+        d.id: _stream(plan.pieces[plan.where(d.id)[1]], host, plan.chunk_bytes) for d in senders
+    }
+    received = {d.id: np.empty(plan.stream_bytes, np.uint8) for d in mine if d not in senders}
+    start = time.perf_counter()
+    program, sharding = _program(mesh, source_row)
+    compiled = program.lower(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)).compile()
+    compile_s = time.perf_counter() - start
+    nothing = {d.id: jax.device_put(np.zeros((1, 1, words), np.int32), d) for d in mine}
+
+    def keep(k: int, out: jax.Array) -> None:
+        at = k * plan.chunk_bytes
+        for shard in out.addressable_shards:
+            if shard.device.id in received:
+                chunk = np.asarray(shard.data).reshape(-1).view(np.uint8)
+                received[shard.device.id][at : at + plan.chunk_bytes] = chunk
+
+    pending = None  # chunk k moves while chunk k - 1 is read back and k + 1 is packed
+    for k in range(plan.chunks):
+        blocks = [
+            jax.device_put(next(streams[d.id]).view(np.int32).reshape(1, 1, words), d)
+            if d.id in streams
+            else nothing[d.id]  # a receiver's input is never read: one block serves
+            for d in mine
+        ]
+        out = compiled(jax.make_array_from_single_device_arrays(shape, sharding, blocks))
+        if pending is not None:
+            keep(*pending)
+        pending = (k, out)
+    if pending is not None:
+        keep(*pending)
+        pending[1].block_until_ready()
+    seconds = time.perf_counter() - start - compile_s
+    return received, Transfer(plan.payload_bytes, seconds, compile_s, plan.chunks)
+
+
+def assemble(
+    plan: Layout,
+    received: dict[int, np.ndarray],
+    abstract: Sequence[Any],
+    shardings: Sequence[NamedSharding],
+) -> list[jax.Array]:
+    """A receiver's leaves, on ``shardings`` (the live mesh's), from its devices' streams.
+
+    The devices must be the transfer's (same ids, same inner coordinates).
+    Each piece is a view into its stream, placed on its device.
+    """
+    leaves = []
+    for i, (leaf, sharding) in enumerate(zip(abstract, shardings, strict=True)):
+        parts = []
+        for device in sharding.addressable_devices:
+            row, coord = plan.where(device.id)
+            carrier, piece = plan.find[i, coord]
+            raw = received[int(plan.grid[row, carrier])][piece.offset : piece.offset + piece.nbytes]
+            parts.append(jax.device_put(raw.view(piece.dtype).reshape(piece.shape), device))
+        leaves.append(jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, parts))
+    return leaves

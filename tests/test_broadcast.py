@@ -1,0 +1,104 @@
+"""`spare_jax.broadcast`: one group's state to other groups over the devices, bit for bit.
+
+One process, 8 simulated devices as 4 groups of 2: the source row's devices
+send, the others receive, exactly as between processes (the multi-process
+path is `test_rejoin.py`'s and ``benchmarks/state.py``'s).
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spare_jax import broadcast, multihost
+from spare_jax import mesh as mesh_lib
+
+
+def _mesh():
+    return mesh_lib.make_mesh((1, 4, 2), jax.devices()[:8])
+
+
+def _leaves(rng: np.random.Generator):
+    """Every kind of leaf a state holds: sharded, replicated, 0-d, empty, odd dtypes and bits."""
+    odd = np.array([-0.0, np.nan, np.inf, -np.inf], np.float32)
+    odd_bits = odd.view(np.uint32).copy()
+    odd_bits[1] |= 0x1234  # a NaN with a payload: only a byte copy keeps it
+    return [
+        (rng.normal(size=(6, 8)).astype(np.float32), P(None, "model")),
+        (rng.normal(size=(10,)).astype(ml_dtypes.bfloat16), P("model")),
+        (np.array(rng.integers(1 << 30), np.int32), P()),
+        (rng.integers(0, 2, size=(5,)).astype(bool), P()),
+        (odd_bits.view(np.float32), P()),
+        (np.zeros((0, 4), np.float32), P()),
+        (rng.integers(0, 255, size=(3, 7)).astype(np.uint8), P()),
+    ]
+
+
+def _run(source_group: int, receivers: list[int], chunk_bytes: int, seed: int = 0):
+    mesh = _mesh()
+    by_group = multihost.group_devices(mesh)
+    groups = sorted({source_group, *receivers})
+    moving = multihost.survivors_mesh(by_group, groups, mesh)
+    pairs = _leaves(np.random.default_rng(seed))
+    leaves, specs = [x for x, _ in pairs], [s for _, s in pairs]
+    plan = broadcast.layout(moving, leaves, specs, chunk_bytes)
+    received, transfer = broadcast.send_and_receive(
+        moving, plan, groups.index(source_group), leaves
+    )
+    target = multihost.survivors_mesh(by_group, receivers, mesh)
+    shardings = [NamedSharding(target, s) for s in specs]
+    out = broadcast.assemble(plan, received, leaves, shardings)
+    return leaves, out, plan, transfer
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    source=st.integers(0, 3),
+    others=st.sets(st.integers(0, 3), min_size=1, max_size=3),
+    words=st.integers(1, 64),
+)
+def test_every_receiving_group_gets_every_bit_of_every_leaf(source, others, words):
+    receivers = sorted(others - {source}) or [(source + 1) % 4]
+    leaves, out, plan, transfer = _run(source, receivers, chunk_bytes=4 * words)
+    assert transfer.chunks == plan.chunks >= 1
+    for want, got in zip(leaves, out, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        for shard in got.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes()
+
+
+def test_a_piece_that_two_devices_of_a_group_hold_travels_once():
+    mesh = _mesh()
+    x = np.ones((1000,), np.float32)
+    plan = broadcast.layout(mesh, [x, x, x], [P("model"), P(), P()], chunk_bytes=1024)
+    assert plan.payload_bytes == 3 * x.nbytes  # not 5: each replicated leaf once
+    streams = [sum(p.nbytes for p in plan.pieces[c]) for c in plan.pieces]
+    assert streams == [6000, 6000]  # half of the sharded one each, a replicated one each
+    assert {plan.find[1, 0][0], plan.find[1, 1][0]} == {plan.find[1, 0][0]}  # one carrier
+
+
+def test_the_rounds_reach_every_row_from_rows_that_hold_the_chunk():
+    for rows in range(1, 20):
+        for source in range(rows):
+            holders = {source}
+            for pairs in broadcast._rounds(rows, source):
+                assert all(a in holders and b not in holders for a, b in pairs)
+                assert len({b for _, b in pairs}) == len(pairs)
+                holders |= {b for _, b in pairs}
+            assert holders == set(range(rows))
+            assert len(broadcast._rounds(rows, source)) == int(np.ceil(np.log2(rows)))
+
+
+def test_bad_input_says_what_is_wrong():
+    mesh = _mesh()
+    with pytest.raises(ValueError, match="multiple of 4"):
+        broadcast.layout(mesh, [np.ones(3, np.float32)], [P()], chunk_bytes=6)
+    plan = broadcast.layout(mesh, [np.ones(3, np.float32)], [P()], chunk_bytes=64)
+    with pytest.raises(ValueError, match="host copy"):
+        broadcast.send_and_receive(mesh, plan, 0, None)
