@@ -54,7 +54,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from spare_jax import analysis, checks, errors, multihost, runlog, strategies
+from spare_jax import analysis, checks, digest, errors, multihost, runlog, strategies
 from spare_jax.scenario import Scenario
 
 __all__ = [
@@ -253,6 +253,20 @@ def param_checksum(params: Any) -> float:
     """
     sums = _leaf_sums(params)
     return float(np.asarray(sums.addressable_shards[0].data, np.float64).sum())
+
+
+def _check_digest(state: Any, saved: list[int] | None) -> None:
+    """Every array's bits against the digest saved with it (none: an older checkpoint)."""
+    if saved is None:
+        return
+    got = digest.state_digest(state)
+    if len(got) != len(saved):
+        raise ValueError(f"the state has {len(got)} arrays, the saved digest {len(saved)}")
+    bad = [i for i, (a, b) in enumerate(zip(got, saved, strict=True)) if a != b]
+    if bad:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        names = ", ".join(paths[i] for i in bad[:3]) + (" ..." if len(bad) > 3 else "")
+        raise ValueError(f"{len(bad)} array(s) differ from the digest saved with them: {names}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -591,7 +605,11 @@ class Checkpointer:
                     if not self.process_local
                     else ReplicaSave(state),
                     meta=ocp.args.JsonSave(
-                        {**meta, "param_checksum": param_checksum(state.params)}
+                        {
+                            **meta,
+                            "param_checksum": param_checksum(state.params),
+                            "state_digest": digest.state_digest(state),
+                        }
                     ),
                 ),
                 force=force,
@@ -746,6 +764,7 @@ class Checkpointer:
                 got, want = param_checksum(state.params), meta["param_checksum"]
                 if not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
                     raise ValueError(f"parameter checksum {got!r} differs from the saved {want!r}")
+                _check_digest(state, meta.get("state_digest"))
             except Exception as error:  # noqa: BLE001 - any failure means: not this one
                 self._quarantine(step, error)
                 continue

@@ -315,3 +315,62 @@ def test_the_model_applies_below_the_ceiling_and_a_resume_keeps_the_source():
     again = checkpoint.Interval(total=100_000, model=model)
     again.load({"steps": 7, "source": "ceiling", "figures": {"ceiling_by": "run_fraction"}})
     assert (again.steps, again.source) == (7, "ceiling")
+
+
+def test_an_array_altered_in_place_is_caught_by_the_digest_saved_with_it(tmp_path):
+    """One bit of the optimizer's state flipped, the archive rewritten whole and valid (same
+    size, zip checksums right): the parameters' checksum cannot see it, the digest does."""
+    import zipfile
+
+    step, params, state = _state()
+    policy = checkpoint.Interval(total=1000, pinned=2)
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"), policy, keep=3, process_local=True)
+    host = jax.tree.map(np.asarray, jax.device_get(state))
+    for t in (2, 4):
+        ckpt.save(t, host, {"step": t})
+    ckpt.wait()
+    replica = tmp_path / "ckpt" / "4" / "state" / "replica.npz"
+    size = replica.stat().st_size
+    with np.load(replica) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]]
+    victim = next(i for i, p in enumerate(paths) if "opt_state" in p and arrays[f"a{i}"].size)
+    arrays[f"a{victim}"][0] ^= 1
+    np.savez(replica, **arrays)
+    assert replica.stat().st_size == size
+    with zipfile.ZipFile(replica) as archive:
+        assert archive.testzip() is None  # the container is sound
+    restored = ckpt.restore_latest(step.abstract_state(params))
+    assert restored.step == 2
+    (moved,) = (tmp_path / "ckpt" / "corrupt").iterdir()
+    assert moved.name.startswith("4-")
+    ckpt.close()
+
+
+def test_the_digest_is_the_same_on_device_and_on_the_host_and_sees_one_bit():
+    import ml_dtypes
+
+    from spare_jax import digest
+
+    rng = np.random.default_rng(0)
+    tree = {
+        "f": rng.normal(size=(37, 5)).astype(np.float32),
+        "h": rng.normal(size=(7,)).astype(ml_dtypes.bfloat16),
+        "b": np.array([True, False, True]),
+        "i": np.int32(5),
+        "e": np.zeros((0, 3), np.float32),
+        "u": rng.integers(0, 255, size=(9,)).astype(np.uint8),
+    }
+    host = digest.state_digest(tree)
+    assert digest.state_digest(jax.tree.map(jax.numpy.asarray, tree)) == host
+    for k, x in tree.items():
+        if np.asarray(x).size == 0:
+            continue
+        raw = np.array(x).reshape(-1).view(np.uint8).copy()
+        for byte in (0, raw.size - 1):
+            flipped = raw.copy()
+            flipped[byte] ^= 0x80
+            changed = {**tree, k: flipped.view(np.asarray(x).dtype).reshape(np.shape(x))}
+            assert digest.state_digest(changed) != host, (k, byte)
+    swapped = {**tree, "f": tree["f"][::-1].copy()}  # the same words, elsewhere
+    assert digest.state_digest(swapped) != host

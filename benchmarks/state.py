@@ -1,0 +1,269 @@
+"""Moving a whole state to a returning group: over the devices vs through the coordination service.
+
+    python benchmarks/state.py                       # 64 MB, 512 MB, 2 GB; 3 repeats (minutes)
+    python benchmarks/state.py --sizes_mb=64 --repeats=1
+
+Each run is a fresh job of 3 processes of one CPU device each (one group
+each), as a re-join sees it: process 0 holds the state (``--leaves`` float32
+matrices of SGD parameters, ``--sizes_mb`` in all) on its host, processes 1
+and 2 hold nothing and receive it. Side by side, per size:
+
+* **devices**: `spare_jax.broadcast`, what a re-join does now: the holder's
+  group streams its replica, ``CHUNK_BYTES`` per collective, to the
+  receivers' devices (Gloo here, NCCL on GPU); the receivers assemble their
+  arrays;
+* **kv**: the transport a re-join used before (kept here, and only here, to
+  compare): the holder packs the state into one in-memory ``.npz`` and puts
+  it in the coordination service's key-value store; the receivers fetch,
+  unpack and place it. One message: it stops near 2 GiB.
+
+Printed per case, medians over ``--repeats``: seconds from the start of the
+transfer to every receiver's state on its device, MB/s of state, and every
+process's peak resident memory (``VmHWM``) above what it held before the
+state existed (JAX's own), as a multiple of the state's bytes. A case that
+fails says why. ``--out`` keeps a JSON of every run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_SIZES = flags.DEFINE_list("sizes_mb", ["64", "512", "2048"], "State sizes, MB (10^6 bytes).")
+_LEAVES = flags.DEFINE_integer("leaves", 4, "Matrices the state is made of.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of each case.", lower_bound=1)
+_METHODS = flags.DEFINE_list("methods", ["devices", "kv"], "Transports: devices, kv.")
+_KV_MAX = flags.DEFINE_float(
+    "kv_max_mb",
+    1024,
+    "Skip kv above this size: its one message stops near 2 GiB, and its holder peaked at "
+    "11x the state's bytes in RAM at 512 MB here.",
+)
+_OUT = flags.DEFINE_string("out", "", "Directory for state.json (optional).")
+_WORKER = flags.DEFINE_string("worker", "", "Internal: METHOD:MB:PORT:PROCESS.")
+
+PROCESSES = 3
+TIMEOUT_S = 900
+
+
+def _vm_hwm() -> int:
+    """This process's peak resident memory so far, bytes."""
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _side(nbytes: int, leaves: int) -> int:
+    return int((nbytes / leaves / 4) ** 0.5)
+
+
+def _state(nbytes: int, leaves: int):
+    """The state's matrices, one at a time (a receiver checks them without holding two copies)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    side = _side(nbytes, leaves)
+    for _ in range(leaves):
+        yield rng.standard_normal((side, side), dtype=np.float32)
+
+
+def _kv(client, me: int, host, abstract) -> list:
+    import jax
+    import numpy as np
+
+    if me == 0:
+        buf = io.BytesIO()
+        np.savez(buf, **{f"a{i}": x for i, x in enumerate(host)})
+        client.key_value_set_bytes("bench/state", buf.getvalue())
+        del buf
+        return []
+    data = client.blocking_key_value_get_bytes("bench/state", TIMEOUT_S * 1000)
+    with np.load(io.BytesIO(data)) as z:
+        leaves = [jax.device_put(z[f"a{i}"], jax.local_devices()[0]) for i in range(len(abstract))]
+    del data
+    return leaves
+
+
+def _devices(me: int, host, abstract) -> list:
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from spare_jax import broadcast
+    from spare_jax import mesh as mesh_lib
+
+    mesh = mesh_lib.make_mesh((1, PROCESSES, 1))
+    specs = [PartitionSpec()] * len(abstract)
+    plan = broadcast.layout(mesh, abstract, specs)
+    received, _ = broadcast.send_and_receive(mesh, plan, 0, host if me == 0 else None)
+    if me == 0:
+        return []
+    shardings = [NamedSharding(mesh, s) for s in specs]
+    return broadcast.assemble(plan, received, abstract, shardings)
+
+
+def _work(spec: str) -> None:
+    """One process of one run: print a JSON line with its figures."""
+    method, mb, port, me = spec.split(":")
+    me, nbytes = int(me), int(float(mb) * 1e6)
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", PROCESSES, me)
+    jax.devices()  # every backend starts together (each publishes its devices)
+    from spare_jax import jax_internals
+
+    client = jax_internals.client()
+    base = _vm_hwm()
+    host = list(_state(nbytes, _LEAVES.value)) if me == 0 else None
+    side = _side(nbytes, _LEAVES.value)
+    abstract = [jax.ShapeDtypeStruct((side, side), jax.numpy.float32)] * _LEAVES.value
+    state_bytes = 4 * side * side * _LEAVES.value
+    client.wait_at_barrier("bench/start", TIMEOUT_S * 1000)
+    start = time.perf_counter()
+    leaves = _kv(client, me, host, abstract) if method == "kv" else _devices(me, host, abstract)
+    jax.block_until_ready(leaves)
+    client.wait_at_barrier("bench/end", TIMEOUT_S * 1000)
+    seconds = time.perf_counter() - start
+    peak = (_vm_hwm() - base) / state_bytes
+    want = _state(nbytes, _LEAVES.value)
+    exact = all(np.asarray(x).tobytes() == next(want).tobytes() for x in leaves)
+    print(
+        json.dumps(
+            {
+                "process": me,
+                "seconds": seconds,
+                "state_bytes": state_bytes,
+                "peak_over_state": peak,
+                "exact": exact,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run(method: str, mb: str) -> dict:
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                f"--worker={method}:{mb}:{port}:{p}",
+                f"--leaves={_LEAVES.value}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in range(PROCESSES)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT_S)
+            outs.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {TIMEOUT_S} s"}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    figures = {}
+    for code, out, err in outs:
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if code != 0 or not lines:
+            why = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {code}"]
+            return {"error": why[0][:200]}
+        row = json.loads(lines[-1])
+        figures[row["process"]] = row
+    return {
+        "seconds": max(r["seconds"] for r in figures.values()),
+        "state_bytes": figures[0]["state_bytes"],
+        "peak": [figures[p]["peak_over_state"] for p in sorted(figures)],
+        "exact": all(r["exact"] for r in figures.values()),
+    }
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if _WORKER.value:
+        _work(_WORKER.value)
+        return
+    bad = [m for m in _METHODS.value if m not in ("devices", "kv")]
+    if bad or not _METHODS.value:
+        raise app.UsageError(f"--methods: devices and/or kv, got {_METHODS.value}")
+    try:
+        sizes = [float(s) for s in _SIZES.value]
+    except ValueError:
+        raise app.UsageError(f"--sizes_mb: numbers, got {_SIZES.value}") from None
+    if not sizes or min(sizes) <= 0:
+        raise app.UsageError(f"--sizes_mb: positive sizes, got {_SIZES.value}")
+    from spare_jax import broadcast, cli
+
+    out_dir = cli.output_dir("out", _OUT.value) if _OUT.value else None
+    print(
+        f"{PROCESSES} processes x 1 CPU device, one group each; process 0 holds the state "
+        f"({_LEAVES.value} float32 matrices), 1 and 2 receive; chunk "
+        f"{broadcast.CHUNK_BYTES >> 20} MiB; medians of {_REPEATS.value}",
+        flush=True,
+    )
+    runs: dict[str, list[dict]] = {}
+    for mb in _SIZES.value:
+        for method in _METHODS.value:
+            key = f"{method}:{mb}"
+            if method == "kv" and float(mb) > _KV_MAX.value:
+                runs[key] = [{"error": f"skipped (--kv_max_mb={_KV_MAX.value:g})"}]
+                continue
+            for _ in range(_REPEATS.value):
+                runs.setdefault(key, []).append(_run(method, mb))
+                if "error" in runs[key][-1]:
+                    break
+    head = f"{'size MB':>8} {'transport':>9} {'seconds':>8} {'MB/s':>8}"
+    print(f"\n{head}  peak RSS / state (p0 p1 p2)")
+    for key, rows in runs.items():
+        method, mb = key.split(":")
+        good = [r for r in rows if "error" not in r]
+        if not good:
+            print(f"{mb:>8} {method:>9}  failed: {rows[-1]['error']}")
+            continue
+        seconds = statistics.median(r["seconds"] for r in good)
+        rate = good[0]["state_bytes"] / seconds / 1e6
+        peaks = [statistics.median(r["peak"][p] for r in good) for p in range(PROCESSES)]
+        flag = "" if all(r["exact"] for r in good) else "  NOT EXACT"
+        print(
+            f"{mb:>8} {method:>9} {seconds:8.2f} {rate:8.0f}  "
+            + " ".join(f"{x:4.2f}" for x in peaks)
+            + flag
+        )
+    for mb in _SIZES.value:
+        dev, kv = runs.get(f"devices:{mb}"), runs.get(f"kv:{mb}")
+        if dev and kv and all("error" not in r for r in dev + kv):
+            ratio = statistics.median(r["seconds"] for r in kv) / statistics.median(
+                r["seconds"] for r in dev
+            )
+            print(f"{mb} MB: devices {ratio:.1f}x faster than kv")
+    if out_dir:
+        with open(os.path.join(out_dir, "state.json"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "runs": runs}) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
