@@ -581,11 +581,20 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(
-        self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False
+        self,
+        step: int,
+        state: Any,
+        meta: dict[str, Any],
+        *,
+        force: bool = False,
+        started: float | None = None,
     ) -> float | None:
         """Start a save if the policy says so (or ``force``); return the blocking stall (s) or None.
 
-        The save is complete once `poll` or `wait` reports it.
+        The save is complete once `poll` or `wait` reports it. ``started``: when
+        the caller began the stall (``time.perf_counter``), e.g. before copying
+        the state off the devices; default now. A ``state_digest`` in ``meta``
+        (computed where the arrays lay) is kept; otherwise it is computed here.
 
         Raises:
             StorageError: the previous save failed, or this one could not start
@@ -594,7 +603,7 @@ class Checkpointer:
         if not (force or self.due(step)):
             return None
         self._report(self._finish_pending())  # Orbax waits for the previous save: check it
-        start = time.perf_counter()
+        start = time.perf_counter() if started is None else started
         if not self.writer or (force and step in self._manager.all_steps()):
             return None
         try:
@@ -608,7 +617,7 @@ class Checkpointer:
                         {
                             **meta,
                             "param_checksum": param_checksum(state.params),
-                            "state_digest": digest.state_digest(state),
+                            "state_digest": meta.get("state_digest") or digest.state_digest(state),
                         }
                     ),
                 ),

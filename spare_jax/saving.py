@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from spare_jax import checkpoint as ckpt_lib
-from spare_jax import errors, multihost, reorder, runlog
+from spare_jax import digest, errors, multihost, reorder, runlog
 
 __all__ = ["Saving"]
 
@@ -44,11 +44,16 @@ class Saving:
         for saved in self.ckpt.wait():
             self._note(saved)
         local = self.multi and not self.spanning  # one process's whole replica, on its host
-        state = multihost.local_view(self.state) if local else self.step.global_state(self.state)
+        began = time.perf_counter()  # the stall counts the copy off the devices
+        if local:
+            meta = {**self._meta(), "state_digest": digest.state_digest(self.state)}  # on device
+            state = multihost.local_view(self.state)
+        else:
+            meta, state = self._meta(), self.step.global_state(self.state)
         if self.spanning:
             stall = self._save_together(state, force or due)
         else:
-            stall = self.ckpt.save(self.t, state, self._meta(), force=force or due)
+            stall = self.ckpt.save(self.t, state, meta, force=force or due, started=began)
         if stall is not None:
             self.interval.stalls.append(stall)
 
