@@ -22,7 +22,8 @@ reads: the global batch or only its own units' rows). Fault tolerance:
 `admission`), `domains` (the multi-process step split by failure domain),
 `broadcast` (one group's state to others over the devices, for a re-join),
 `compile_cache` (JAX's persistent compilation cache), `liveness` (simulated failures and
-re-joins), `checkpoint` (Orbax at the model's interval), `runlog` (metrics,
+re-joins), `checkpoint` (Orbax at the model's interval), `digest` (a checkpoint's
+per-array digest), `runlog` (metrics,
 summary, notices), `multihost` (real process failures), `errors` (exit
 statuses), `launch` (the launcher), `testing` (the fault injector), `jax_internals`
 (the JAX private names used, checked at import). `checks`
