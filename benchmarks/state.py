@@ -1,7 +1,9 @@
-"""Moving a whole state to a returning group: over the devices vs through the coordination service.
+"""A whole state at scale: moving it to a returning group, saving it, restoring it.
 
     python benchmarks/state.py                       # 64 MB, 512 MB, 2 GB; 3 repeats (minutes)
-    python benchmarks/state.py --sizes_mb=64 --repeats=1
+    python benchmarks/state.py --sizes_mb=64 --repeats=1 --sections=transfer
+
+``--sections=transfer`` (the default runs both):
 
 Each run is a fresh job of 3 processes of one CPU device each (one group
 each), as a re-join sees it: process 0 holds the state (``--leaves`` float32
@@ -21,7 +23,19 @@ Printed per case, medians over ``--repeats``: seconds from the start of the
 transfer to every receiver's state on its device, MB/s of state, and every
 process's peak resident memory (``VmHWM``) above what it held before the
 state existed (JAX's own), as a multiple of the state's bytes. A case that
-fails says why. ``--out`` keeps a JSON of every run.
+fails says why.
+
+``--sections=save``: one process saves the same state through
+`spare_jax.checkpoint.Checkpointer` and restores it, in the two layouts: the
+**replica** a multi-process job's writer saves (the state's digest computed
+on device, a host copy, then ``replica.npz`` written in the background) and
+**orbax**, a lone process's sharded arrays. Printed, medians: the save stall
+(what the step loop waits for: the copy off the devices included), the
+background write (start to complete, MB/s), the restore (read, checked,
+placed; MB/s), the peak resident memory above JAX's own as a multiple of the
+state, and the state that the write rate saves inside a preemption notice
+(``--preempt_s``, the launcher's default 60 s, less 2 s to leave).
+``--out`` keeps a JSON of every run (appended).
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -48,7 +63,11 @@ _KV_MAX = flags.DEFINE_float(
     "11x the state's bytes in RAM at 512 MB here.",
 )
 _OUT = flags.DEFINE_string("out", "", "Directory for state.json (optional).")
-_WORKER = flags.DEFINE_string("worker", "", "Internal: METHOD:MB:PORT:PROCESS.")
+_SECTIONS = flags.DEFINE_list("sections", ["transfer", "save"], "transfer, save.")
+_PREEMPT_S = flags.DEFINE_float("preempt_s", 60.0, "The preemption notice (launcher's default).")
+_WORKER = flags.DEFINE_string(
+    "worker", "", "Internal: METHOD:MB:PORT:PROCESS or save:LAYOUT:MB:DIR."
+)
 
 PROCESSES = 3
 TIMEOUT_S = 900
@@ -108,6 +127,61 @@ def _devices(me: int, host, abstract) -> list:
         return []
     shardings = [NamedSharding(mesh, s) for s in specs]
     return broadcast.assemble(plan, received, abstract, shardings)
+
+
+def _save_work(layout: str, mb: str, directory: str) -> None:
+    """One save and one restore in this process: print a JSON line with the figures."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    import numpy as np
+    import optax
+
+    from spare_jax import checkpoint, digest, multihost
+    from spare_jax.train_step import TrainState
+
+    base = _vm_hwm()
+    nbytes = int(float(mb) * 1e6)
+    params = {f"w{i}": x for i, x in enumerate(_state(nbytes, _LEAVES.value))}
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    state = jax.device_put(TrainState(np.int32(1), params, optax.sgd(0.1).init(params)), sharding)
+    del params
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state
+    )
+    replica = layout == "replica"
+    policy = checkpoint.Interval(total=10, pinned=1)
+    ckpt = checkpoint.Checkpointer(directory, policy, keep=2, process_local=replica)
+    began = time.perf_counter()
+    meta = {"step": 1}
+    if replica:  # as a multi-process job's writer does (spare_jax.saving)
+        meta["state_digest"] = digest.state_digest(state)
+        saved_state = jax.tree.map(multihost.host_copy, state)
+    else:
+        saved_state = state
+    stall = ckpt.save(1, saved_state, meta, force=True, started=began)
+    (saved,) = ckpt.wait()
+    del saved_state
+    restored = ckpt.restore_latest(abstract)
+    jax.block_until_ready(restored.state)
+    exact = all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state), strict=True)
+    )
+    ckpt.close()
+    print(
+        json.dumps(
+            {
+                "stall_s": stall,
+                "write_s": saved.write_s,
+                "restore_s": restored.restore_s,
+                "state_bytes": state_bytes,
+                "peak_over_state": (_vm_hwm() - base) / state_bytes,
+                "exact": exact,
+            }
+        ),
+        flush=True,
+    )
 
 
 def _work(spec: str) -> None:
@@ -204,9 +278,15 @@ def _run(method: str, mb: str) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
+    if _WORKER.value.startswith("save:"):
+        _save_work(*_WORKER.value.split(":", 3)[1:])
+        return
     if _WORKER.value:
         _work(_WORKER.value)
         return
+    bad = [s for s in _SECTIONS.value if s not in ("transfer", "save")]
+    if bad or not _SECTIONS.value:
+        raise app.UsageError(f"--sections: transfer and/or save, got {_SECTIONS.value}")
     bad = [m for m in _METHODS.value if m not in ("devices", "kv")]
     if bad or not _METHODS.value:
         raise app.UsageError(f"--methods: devices and/or kv, got {_METHODS.value}")
@@ -216,9 +296,22 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--sizes_mb: numbers, got {_SIZES.value}") from None
     if not sizes or min(sizes) <= 0:
         raise app.UsageError(f"--sizes_mb: positive sizes, got {_SIZES.value}")
-    from spare_jax import broadcast, cli
+    from spare_jax import cli
 
     out_dir = cli.output_dir("out", _OUT.value) if _OUT.value else None
+    record: dict = {"time": time.time()}
+    if "transfer" in _SECTIONS.value:
+        record["transfer"] = _transfer_section()
+    if "save" in _SECTIONS.value:
+        record["save"] = _save_section(out_dir)
+    if out_dir:
+        with open(os.path.join(out_dir, "state.json"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _transfer_section() -> dict:
+    from spare_jax import broadcast
+
     print(
         f"{PROCESSES} processes x 1 CPU device, one group each; process 0 holds the state "
         f"({_LEAVES.value} float32 matrices), 1 and 2 receive; chunk "
@@ -260,9 +353,60 @@ def main(argv: list[str]) -> None:
                 r["seconds"] for r in dev
             )
             print(f"{mb} MB: devices {ratio:.1f}x faster than kv")
-    if out_dir:
-        with open(os.path.join(out_dir, "state.json"), "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.time(), "runs": runs}) + "\n")
+    return runs
+
+
+def _save_run(layout: str, mb: str, directory: str) -> dict:
+    cmd = [sys.executable, __file__, f"--worker=save:{layout}:{mb}:{directory}"]
+    cmd.append(f"--leaves={_LEAVES.value}")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {TIMEOUT_S} s"}
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        why = [line for line in out.stderr.splitlines() if line.strip()][-1:]
+        return {"error": (why or [f"exit {out.returncode}"])[0][:200]}
+    return json.loads(lines[-1])
+
+
+def _save_section(out_dir: str | None) -> dict:
+    import tempfile
+
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="spare_state_", dir=out_dir) as scratch:
+        for mb in _SIZES.value:
+            for layout in ("replica", "orbax"):
+                key = f"{layout}:{mb}"
+                for rep in range(_REPEATS.value):
+                    directory = os.path.join(scratch, f"{layout}-{mb}-{rep}")
+                    runs.setdefault(key, []).append(_save_run(layout, mb, directory))
+                    shutil.rmtree(directory, ignore_errors=True)
+                    if "error" in runs[key][-1]:
+                        break
+    budget = _PREEMPT_S.value - 2.0
+    print(
+        f"\none process saves and restores the state; medians of {_REPEATS.value}; "
+        f"'fits' = the state the write rate saves in a {_PREEMPT_S.value:g} s notice less 2 s"
+    )
+    head = f"{'size MB':>8} {'layout':>8} {'stall s':>8} {'write s':>8} {'MB/s':>6}"
+    print(f"{head} {'restore s':>9} {'MB/s':>6} {'peak':>5} {'fits GB':>8}")
+    for key, rows in runs.items():
+        layout, mb = key.split(":")
+        good = [r for r in rows if "error" not in r]
+        if not good:
+            print(f"{mb:>8} {layout:>8}  failed: {rows[-1]['error']}")
+            continue
+        med = {k: statistics.median(r[k] for r in good) for k in good[0] if k != "exact"}
+        size = med["state_bytes"]
+        write_rate, read_rate = size / med["write_s"], size / med["restore_s"]
+        flag = "" if all(r["exact"] for r in good) else "  NOT EXACT"
+        print(
+            f"{mb:>8} {layout:>8} {med['stall_s']:8.3f} {med['write_s']:8.2f} "
+            f"{write_rate / 1e6:6.0f} {med['restore_s']:9.2f} {read_rate / 1e6:6.0f} "
+            f"{med['peak_over_state']:5.2f} {budget * write_rate / 1e9:8.1f}{flag}"
+        )
+    return runs
 
 
 if __name__ == "__main__":

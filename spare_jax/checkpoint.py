@@ -748,7 +748,7 @@ class Checkpointer:
             handler.close()
         return state, meta, self.process_local
 
-    def restore_latest(self, abstract_state: Any) -> Restored | None:
+    def restore_latest(self, abstract_state: Any, *, place: bool = True) -> Restored | None:
         """The newest checkpoint that restores and checks out; None when there is none at all.
 
         ``abstract_state``: shapes, dtypes and shardings of the state (its
@@ -756,6 +756,8 @@ class Checkpointer:
         by one process of a multi-process job) is read on the host and placed;
         sharded arrays are read as host arrays in a multi-process job (no
         process waits on another) and onto their shardings in a lone one.
+        ``place=False`` leaves a state read on the host there (the caller
+        places it: `spare_jax.saving` sends it to the other groups).
 
         Raises:
             NoUsableCheckpoint: checkpoints exist but every one of them failed.
@@ -778,7 +780,7 @@ class Checkpointer:
                 self._quarantine(step, error)
                 continue
             self._manager.reload()
-            if host:
+            if host and place:
                 state = multihost.from_local(state, shardings)
             return Restored(step, state, meta, time.perf_counter() - start)
         self._manager.reload()

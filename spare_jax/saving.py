@@ -9,6 +9,7 @@ non-finite loss end the run with the last good state saved.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -18,17 +19,71 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
+from spare_jax import broadcast, digest, errors, jax_internals, multihost, reorder, runlog
 from spare_jax import checkpoint as ckpt_lib
-from spare_jax import digest, errors, multihost, reorder, runlog
 
 __all__ = ["Saving"]
+
+_RESTORE_WAIT_S = 1800.0  # the others wait while the writer reads, checks and sets aside
 
 
 class Saving:
     """Saves, restores, rollback, preemption: mixed into `Trainer`."""
 
     def _restore(self) -> ckpt_lib.Restored | None:
-        return self.ckpt.restore_latest(self.global_abstract)
+        """The latest good checkpoint, placed; read from disk once per job where it can be.
+
+        Multi-process with whole groups per process: only the writer reads it
+        (and sets damaged ones aside); it tells the others which step it took
+        through the key-value store (a few kB), and its group sends the state
+        to every group on another process over the devices
+        (`spare_jax.broadcast`). Groups spanning processes read their shards.
+        """
+        if not self.multi or self.spanning:
+            return self.ckpt.restore_latest(self.global_abstract)
+        start = time.perf_counter()
+        self._restores = getattr(self, "_restores", 0) + 1
+        key = f"spare_jax/restore/{self._restores}"
+        client = jax_internals.client()
+        restored = None
+        if self._is_writer():
+            try:
+                restored = self.ckpt.restore_latest(self.global_abstract, place=False)
+            except ckpt_lib.NoUsableCheckpoint as err:
+                client.key_value_set(key, json.dumps({"error": str(err)}))
+                raise
+            told = None if restored is None else {"step": restored.step, "meta": restored.meta}
+            client.key_value_set(key, json.dumps({"restored": told}))
+        else:
+            wait_ms = int(_RESTORE_WAIT_S * 1000)
+            told = json.loads(client.blocking_key_value_get(key, wait_ms)).get("restored", {})
+            if told is not None and "step" not in told:
+                raise ckpt_lib.NoUsableCheckpoint(told.get("error", "the writer found none"))
+        if told is None:
+            return None
+        state = self._spread(restored.state if restored is not None else None)
+        return ckpt_lib.Restored(told["step"], state, told["meta"], time.perf_counter() - start)
+
+    def _spread(self, host: Any | None) -> Any:
+        """The writer's host state onto every group: its own by placing, the others' by sending."""
+        abstract = jax.tree.leaves(self.global_abstract)
+        shardings = [a.sharding for a in abstract]
+        mine = multihost.groups_touching(self.owners, [self.writer_process])
+        others = [g for g in range(len(self.owners)) if g not in set(mine.tolist())]
+        groups = sorted({int(mine.min()), *others})
+        leaves = None if host is None else jax.tree.leaves(host)
+        received: dict[int, np.ndarray] = {}
+        if others:
+            mesh = multihost.survivors_mesh(self._by_group, groups, self._template.mesh)
+            plan = broadcast.layout(mesh, abstract, [s.spec for s in shardings])
+            source = groups.index(int(mine.min()))
+            received, _ = broadcast.send_and_receive(mesh, plan, source, leaves)
+        placed = (
+            multihost.from_local(leaves, shardings)
+            if leaves is not None
+            else broadcast.assemble(plan, received, abstract, shardings)
+        )
+        return jax.tree.unflatten(jax.tree.structure(self.global_abstract), placed)
 
     def _save(self, *, force: bool = False) -> None:
         """Let Orbax's policy decide on step ``t`` (or force it); note finished saves."""
