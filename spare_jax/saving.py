@@ -56,9 +56,10 @@ class Saving:
             client.key_value_set(key, json.dumps({"restored": told}))
         else:
             wait_ms = int(_RESTORE_WAIT_S * 1000)
-            told = json.loads(client.blocking_key_value_get(key, wait_ms)).get("restored", {})
-            if told is not None and "step" not in told:
-                raise ckpt_lib.NoUsableCheckpoint(told.get("error", "the writer found none"))
+            said = json.loads(client.blocking_key_value_get(key, wait_ms))
+            if "error" in said:
+                raise ckpt_lib.NoUsableCheckpoint(said["error"])
+            told = said["restored"]
         if told is None:
             return None
         state = self._spread(restored.state if restored is not None else None)
