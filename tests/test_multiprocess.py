@@ -232,6 +232,22 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restores(
     lj.no_process_left(tmp_path)
 
 
+def test_when_no_checkpoint_restores_every_worker_stops_with_the_writers_line(env, tmp_path):
+    """Only the writer reads checkpoints; the others learn its verdict, message included."""
+    first = _start(env, tmp_path, steps=10)
+    assert first.finish() == 0, first.output()[-3000:]
+    ckpts = tmp_path / "checkpoints"
+    for replica in ckpts.glob("*/state/replica.npz"):
+        replica.write_bytes(replica.read_bytes()[:100])
+    again = _start(env, tmp_path, steps=20)
+    assert again.finish() == 2, again.output()[-3000:]
+    logs = [(tmp_path / "launch" / f"worker-{i}.log").read_text() for i in range(4)]
+    for i, log in enumerate(logs):
+        assert "none of the 2 checkpoint(s)" in log, f"worker {i}: {log[-1500:]}"
+        assert "Traceback" not in log, f"worker {i}: {log[-1500:]}"
+    lj.no_process_left(tmp_path)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 MiB tmpfs (root only); skipped with one line where it cannot be mounted."""
