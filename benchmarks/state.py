@@ -156,6 +156,7 @@ def _save_work(layout: str, mb: str, directory: str) -> None:
     meta = {"step": 1}
     if replica:  # as a multi-process job's writer does (spare_jax.saving)
         meta["state_digest"] = digest.state_digest(state)
+        meta["param_checksum"] = checkpoint.param_checksum(state.params)
         saved_state = jax.tree.map(multihost.host_copy, state)
     else:
         saved_state = state

@@ -255,10 +255,8 @@ def param_checksum(params: Any) -> float:
     return float(np.asarray(sums.addressable_shards[0].data, np.float64).sum())
 
 
-def _check_digest(state: Any, saved: list[int] | None) -> None:
-    """Every array's bits against the digest saved with it (none: an older checkpoint)."""
-    if saved is None:
-        return
+def _check_digest(state: Any, saved: list[int]) -> None:
+    """Every array's bits against the digest saved with it."""
     got = digest.state_digest(state)
     if len(got) != len(saved):
         raise ValueError(f"the state has {len(got)} arrays, the saved digest {len(saved)}")
@@ -593,8 +591,8 @@ class Checkpointer:
 
         The save is complete once `poll` or `wait` reports it. ``started``: when
         the caller began the stall (``time.perf_counter``), e.g. before copying
-        the state off the devices; default now. A ``state_digest`` in ``meta``
-        (computed where the arrays lay) is kept; otherwise it is computed here.
+        the state off the devices; default now. A ``state_digest`` or ``param_checksum``
+        in ``meta`` (computed where the arrays lay) is kept; otherwise computed here.
 
         Raises:
             StorageError: the previous save failed, or this one could not start
@@ -616,7 +614,9 @@ class Checkpointer:
                     meta=ocp.args.JsonSave(
                         {
                             **meta,
-                            "param_checksum": param_checksum(state.params),
+                            "param_checksum": meta["param_checksum"]
+                            if "param_checksum" in meta
+                            else param_checksum(state.params),
                             "state_digest": meta.get("state_digest") or digest.state_digest(state),
                         }
                     ),
@@ -772,10 +772,14 @@ class Checkpointer:
             start = time.perf_counter()
             try:
                 state, meta, host = self._read(step, abstract_state, host_target)
-                got, want = param_checksum(state.params), meta["param_checksum"]
-                if not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
-                    raise ValueError(f"parameter checksum {got!r} differs from the saved {want!r}")
-                _check_digest(state, meta.get("state_digest"))
+                if "state_digest" in meta:  # every bit of every array: the stronger check
+                    _check_digest(state, meta["state_digest"])
+                else:
+                    got, want = param_checksum(state.params), meta["param_checksum"]
+                    if not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
+                        raise ValueError(
+                            f"parameter checksum {got!r} differs from the saved {want!r}"
+                        )
             except Exception as error:  # noqa: BLE001 - any failure means: not this one
                 self._quarantine(step, error)
                 continue

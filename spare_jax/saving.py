@@ -102,7 +102,11 @@ class Saving:
         local = self.multi and not self.spanning  # one process's whole replica, on its host
         began = time.perf_counter()  # the stall counts the copy off the devices
         if local:
-            meta = {**self._meta(), "state_digest": digest.state_digest(self.state)}  # on device
+            meta = {  # computed on device, before the copy
+                **self._meta(),
+                "state_digest": digest.state_digest(self.state),
+                "param_checksum": ckpt_lib.param_checksum(self.state.params),
+            }
             state = multihost.local_view(self.state)
         else:
             meta, state = self._meta(), self.step.global_state(self.state)

@@ -1,5 +1,6 @@
 """Checkpoints: Orbax saves when told, restore skips junk, the model sets the interval."""
 
+import json
 import math
 
 import jax
@@ -52,12 +53,14 @@ def test_restore_skips_corrupt_and_foreign_and_wrong_checksum(tmp_path):
         ckpt.save(t, state, {"step": t})
     ckpt.wait()
     root = tmp_path / "ckpt"
-    # 6: data files truncated; 4: parameters intact but the record's checksum lies.
+    # 6: data files truncated; 4: arrays intact but the record's digest of them lies.
     for f in (root / "6" / "state").rglob("*"):
         if f.is_file() and f.stat().st_size > 16:
             f.write_bytes(f.read_bytes()[:8])
     meta = next((root / "4" / "meta").glob("metadata"))
-    meta.write_text(meta.read_text().replace('"param_checksum": ', '"param_checksum": 1'))
+    record = json.loads(meta.read_text())
+    record["state_digest"][1] ^= 1
+    meta.write_text(json.dumps(record))
     (root / "9").mkdir()  # a foreign directory with a step's name
     restored = ckpt.restore_latest(step.abstract_state(params))
     assert restored.step == 2
@@ -374,3 +377,21 @@ def test_the_digest_is_the_same_on_device_and_on_the_host_and_sees_one_bit():
             assert digest.state_digest(changed) != host, (k, byte)
     swapped = {**tree, "f": tree["f"][::-1].copy()}  # the same words, elsewhere
     assert digest.state_digest(swapped) != host
+
+
+def test_a_record_without_a_digest_restores_on_the_parameter_checksum_alone(tmp_path):
+    step, params, state = _state()
+    ckpt = _ckpt(tmp_path)
+    for t in (2, 4):
+        ckpt.save(t, state, {"step": t})
+    ckpt.wait()
+    for t, lie in ((2, False), (4, True)):  # as written before the digest existed
+        meta = tmp_path / "ckpt" / str(t) / "meta" / "metadata"
+        record = json.loads(meta.read_text())
+        del record["state_digest"]
+        record["param_checksum"] += 1.0 if lie else 0.0
+        meta.write_text(json.dumps(record))
+    restored = ckpt.restore_latest(step.abstract_state(params))
+    assert restored.step == 2
+    assert [p.name.split("-")[0] for p in (tmp_path / "ckpt" / "corrupt").iterdir()] == ["4"]
+    ckpt.close()
