@@ -54,6 +54,12 @@ from absl import app, flags
 
 _SIZES = flags.DEFINE_list("sizes_mb", ["64", "512", "2048"], "State sizes, MB (10^6 bytes).")
 _LEAVES = flags.DEFINE_integer("leaves", 4, "Matrices the state is made of.", lower_bound=1)
+_CHUNK_MB = flags.DEFINE_integer(
+    "chunk_mb",
+    0,
+    "devices: MiB per device and collective; 0: broadcast.CHUNK_BYTES.",
+    lower_bound=0,
+)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of each case.", lower_bound=1)
 _METHODS = flags.DEFINE_list("methods", ["devices", "kv"], "Transports: devices, kv.")
 _KV_MAX = flags.DEFINE_float(
@@ -121,7 +127,7 @@ def _devices(me: int, host, abstract) -> list:
 
     mesh = mesh_lib.make_mesh((1, PROCESSES, 1))
     specs = [PartitionSpec()] * len(abstract)
-    plan = broadcast.layout(mesh, abstract, specs)
+    plan = broadcast.layout(mesh, abstract, specs, _CHUNK_MB.value << 20 or broadcast.CHUNK_BYTES)
     received, _ = broadcast.send_and_receive(mesh, plan, 0, host if me == 0 else None)
     if me == 0:
         return []
@@ -242,6 +248,7 @@ def _run(method: str, mb: str) -> dict:
                 __file__,
                 f"--worker={method}:{mb}:{port}:{p}",
                 f"--leaves={_LEAVES.value}",
+                f"--chunk_mb={_CHUNK_MB.value}",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -316,7 +323,7 @@ def _transfer_section() -> dict:
     print(
         f"{PROCESSES} processes x 1 CPU device, one group each; process 0 holds the state "
         f"({_LEAVES.value} float32 matrices), 1 and 2 receive; chunk "
-        f"{broadcast.CHUNK_BYTES >> 20} MiB; medians of {_REPEATS.value}",
+        f"{_CHUNK_MB.value or broadcast.CHUNK_BYTES >> 20} MiB; medians of {_REPEATS.value}",
         flush=True,
     )
     runs: dict[str, list[dict]] = {}
