@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spare_jax import mesh as mesh_lib
 
-__all__ = ["CHUNK_BYTES", "Layout", "Piece", "assemble", "layout", "send_and_receive"]
+__all__ = ["CHUNK_BYTES", "Layout", "Piece", "Transfer", "assemble", "layout", "send_and_receive"]
 
 CHUNK_BYTES = 8 << 20  # per device and collective (benchmarks/state.py --chunk_mb tries others)
 _ALIGN = 64  # each piece starts on this boundary, so a receiver's view needs no copy
