@@ -120,19 +120,17 @@ def _kv(client, me: int, host, abstract) -> list:
 
 
 def _devices(me: int, host, abstract) -> list:
+    import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from spare_jax import broadcast
     from spare_jax import mesh as mesh_lib
 
     mesh = mesh_lib.make_mesh((1, PROCESSES, 1))
-    specs = [PartitionSpec()] * len(abstract)
-    plan = broadcast.layout(mesh, abstract, specs, _CHUNK_MB.value << 20 or broadcast.CHUNK_BYTES)
-    received, _ = broadcast.send_and_receive(mesh, plan, 0, host if me == 0 else None)
-    if me == 0:
-        return []
-    shardings = [NamedSharding(mesh, s) for s in specs]
-    return broadcast.assemble(plan, received, abstract, shardings)
+    on_mesh = NamedSharding(mesh, PartitionSpec())
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_mesh) for a in abstract]
+    chunk = _CHUNK_MB.value << 20 or broadcast.CHUNK_BYTES
+    return broadcast.move(mesh, 0, abstract, host if me == 0 else None, chunk).leaves or []
 
 
 def _save_work(layout: str, mb: str, directory: str) -> None:
@@ -142,7 +140,7 @@ def _save_work(layout: str, mb: str, directory: str) -> None:
     import numpy as np
     import optax
 
-    from spare_jax import checkpoint, digest, multihost
+    from spare_jax import checkpoint
     from spare_jax.train_step import TrainState
 
     base = _vm_hwm()
@@ -161,9 +159,8 @@ def _save_work(layout: str, mb: str, directory: str) -> None:
     began = time.perf_counter()
     meta = {"step": 1}
     if replica:  # as a multi-process job's writer does (spare_jax.saving)
-        meta["state_digest"] = digest.state_digest(state)
-        meta["param_checksum"] = checkpoint.param_checksum(state.params)
-        saved_state = jax.tree.map(multihost.host_copy, state)
+        saved_state, checks = checkpoint.host_replica(state)
+        meta.update(checks)
     else:
         saved_state = state
     stall = ckpt.save(1, saved_state, meta, force=True, started=began)
@@ -239,6 +236,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _result(code: int, out: str, err: str) -> dict:
+    """A worker's JSON line, or {"error": its last line of stderr}."""
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if code != 0 or not lines:
+        why = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {code}"]
+        return {"error": why[0][:200]}
+    return json.loads(lines[-1])
+
+
+def _repeat(run) -> list[dict]:
+    """``--repeats`` runs of one case, stopping at the first that fails."""
+    rows: list[dict] = []
+    for _ in range(_REPEATS.value):
+        rows.append(run())
+        if "error" in rows[-1]:
+            break
+    return rows
+
+
 def _run(method: str, mb: str) -> dict:
     port = _free_port()
     procs = [
@@ -269,12 +285,9 @@ def _run(method: str, mb: str) -> dict:
                 p.kill()
                 p.wait()
     figures = {}
-    for code, out, err in outs:
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if code != 0 or not lines:
-            why = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {code}"]
-            return {"error": why[0][:200]}
-        row = json.loads(lines[-1])
+    for row in (_result(*o) for o in outs):
+        if "error" in row:
+            return row
         figures[row["process"]] = row
     return {
         "seconds": max(r["seconds"] for r in figures.values()),
@@ -333,10 +346,7 @@ def _transfer_section() -> dict:
             if method == "kv" and float(mb) > _KV_MAX.value:
                 runs[key] = [{"error": f"skipped (--kv_max_mb={_KV_MAX.value:g})"}]
                 continue
-            for _ in range(_REPEATS.value):
-                runs.setdefault(key, []).append(_run(method, mb))
-                if "error" in runs[key][-1]:
-                    break
+            runs[key] = _repeat(lambda m=method, mb=mb: _run(m, mb))
     head = f"{'size MB':>8} {'transport':>9} {'seconds':>8} {'MB/s':>8}"
     print(f"\n{head}  peak RSS / state (p0 p1 p2)")
     for key, rows in runs.items():
@@ -365,17 +375,16 @@ def _transfer_section() -> dict:
 
 
 def _save_run(layout: str, mb: str, directory: str) -> dict:
+    """One save and restore in a fresh process, into ``directory`` (removed after)."""
     cmd = [sys.executable, __file__, f"--worker=save:{layout}:{mb}:{directory}"]
     cmd.append(f"--leaves={_LEAVES.value}")
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"no result in {TIMEOUT_S} s"}
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        why = [line for line in out.stderr.splitlines() if line.strip()][-1:]
-        return {"error": (why or [f"exit {out.returncode}"])[0][:200]}
-    return json.loads(lines[-1])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return _result(out.returncode, out.stdout, out.stderr)
 
 
 def _save_section(out_dir: str | None) -> dict:
@@ -385,13 +394,10 @@ def _save_section(out_dir: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="spare_state_", dir=out_dir) as scratch:
         for mb in _SIZES.value:
             for layout in ("replica", "orbax"):
-                key = f"{layout}:{mb}"
-                for rep in range(_REPEATS.value):
-                    directory = os.path.join(scratch, f"{layout}-{mb}-{rep}")
-                    runs.setdefault(key, []).append(_save_run(layout, mb, directory))
-                    shutil.rmtree(directory, ignore_errors=True)
-                    if "error" in runs[key][-1]:
-                        break
+                directory = os.path.join(scratch, f"{layout}-{mb}")
+                runs[f"{layout}:{mb}"] = _repeat(
+                    lambda lay=layout, mb=mb, d=directory: _save_run(lay, mb, d)
+                )
     budget = _PREEMPT_S.value - 2.0
     print(
         f"\none process saves and restores the state; medians of {_REPEATS.value}; "

@@ -8,7 +8,6 @@ the mesh back (`_regrow`); the newcomer takes the state and the job's books
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,15 +28,6 @@ from spare_jax import (
 )
 
 __all__ = ["Admission"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Moved:
-    """A re-join's transfer as this process saw it (``transfer`` None: it took no part)."""
-
-    bytes: int
-    transfer: broadcast.Transfer | None
-    leaves: list[jax.Array] | None
 
 
 def _host(x: Any) -> Any:
@@ -82,8 +72,8 @@ class Admission:
         self.state, self.step, self._ready = None, None, {}
         rejoin.reset_backend(epoch, fresh=False)
         self._regrow(epoch, rows)
-        moved = self._move(epoch, rows, host)
-        shardings = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, self._live_abstract()))
+        moved = self._move(rows, host)
+        shardings = [a.sharding for a in jax.tree.leaves(self._live_abstract())]
         placed = multihost.from_local(host, shardings)
         del host
         self.state = jax.tree.unflatten(jax.tree.structure(self.global_abstract), placed)
@@ -109,7 +99,7 @@ class Admission:
         self.members = {p for p in epoch.processes if p != me}
         rows = [int(g) for g in meta["rows"]]
         self._regrow(epoch, rows)
-        moved = self._move(epoch, rows, None)
+        moved = self._move(rows, None)
         self.state = jax.tree.unflatten(jax.tree.structure(self.global_abstract), moved.leaves)
         rejoin.done(epoch, moved.bytes)
         self._joined(epoch, start, moved)
@@ -122,32 +112,18 @@ class Admission:
         )
         return jax.tree.map(on_step, self.global_abstract)
 
-    def _move(self, epoch: rejoin.Epoch, rows: list[int], host: list[np.ndarray] | None) -> Any:
+    def _move(self, rows: list[int], host: list[np.ndarray] | None) -> broadcast.Moved:
         """The writer's group sends the replica to the newcomers' groups, device to device.
 
         Only the processes of those groups take part; a newcomer gets its
-        leaves on the live mesh (``leaves``), a sender ``None``.
+        leaves on the live mesh.
         """
         mine = set(multihost.groups_touching(self.owners, [self.writer_process]).tolist())
         source = min((g for g in rows if g in mine), default=min(rows))
         groups = sorted({source, *self._rejoined})
         mesh = multihost.survivors_mesh(self._by_group, groups, self._template.mesh)
         abstract = jax.tree.leaves(self._live_abstract())
-        specs = [a.sharding.spec for a in abstract]
-        plan = broadcast.layout(mesh, abstract, specs)
-        me = jax.process_index()
-        taking_part = me in {d.process_index for d in mesh.devices.flat}
-        received, transfer = (
-            broadcast.send_and_receive(mesh, plan, groups.index(source), host)
-            if taking_part
-            else ({}, None)
-        )
-        leaves = (
-            broadcast.assemble(plan, received, abstract, [a.sharding for a in abstract])
-            if me in epoch.joiners
-            else None
-        )
-        return _Moved(plan.payload_bytes, transfer, leaves)
+        return broadcast.move(mesh, groups.index(source), abstract, host)
 
     def _regrow(self, epoch: rejoin.Epoch, rows: list[int]) -> None:
         """The mesh over every live group (the newcomers' again), on this backend's devices."""
@@ -169,7 +145,7 @@ class Admission:
         self.failures.alive[back] = True
         self._rejoined = back
 
-    def _joined(self, epoch: rejoin.Epoch, start: float, moved: _Moved) -> None:
+    def _joined(self, epoch: rejoin.Epoch, start: float, moved: broadcast.Moved) -> None:
         """Every process has its state: compile the step for the grown mesh, note the re-join."""
         placed = time.time()
         self._check_input = True

@@ -21,9 +21,10 @@ Why this shape:
 * the bytes go device to device (Gloo between CPU processes, NCCL on GPU),
   not through the coordination service, whose messages stop near 2 GiB.
 
-`layout` is pure; `send_and_receive` runs the chunks (every process of the
-transfer mesh calls it, in step); `assemble` turns a receiver's buffers into
-arrays with the state's shardings. Measured in ``benchmarks/state.py``;
+`move` is the whole transfer, as the trainer calls it. Its parts: `layout`
+(pure), `send_and_receive` (runs the chunks; every process of the transfer
+mesh calls it, in step) and `assemble` (a receiver's buffers into arrays
+with the state's shardings). Measured in ``benchmarks/state.py``;
 docs/checkpointing.md, "Moving the state".
 """
 
@@ -42,7 +43,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spare_jax import mesh as mesh_lib
 
-__all__ = ["CHUNK_BYTES", "Layout", "Piece", "Transfer", "assemble", "layout", "send_and_receive"]
+__all__ = [
+    "CHUNK_BYTES",
+    "Layout",
+    "Moved",
+    "Piece",
+    "Transfer",
+    "assemble",
+    "layout",
+    "move",
+    "send_and_receive",
+]
 
 CHUNK_BYTES = 8 << 20  # per device and collective (benchmarks/state.py --chunk_mb tries others)
 _ALIGN = 64  # each piece starts on this boundary, so a receiver's view needs no copy
@@ -78,6 +89,7 @@ class Layout:
     grid: np.ndarray  # device ids, [row, inner coordinate]; a row is a group
     chunk_bytes: int
     chunks: int
+    at: dict[int, tuple[int, int]]  # device id -> (row, inner coordinate)
 
     @property
     def stream_bytes(self) -> int:
@@ -91,8 +103,7 @@ class Layout:
 
     def where(self, device_id: int) -> tuple[int, int]:
         """(row, inner coordinate) of a device of the transfer mesh."""
-        row, coord = np.argwhere(self.grid == device_id)[0]
-        return int(row), int(coord)
+        return self.at[device_id]
 
 
 def layout(
@@ -133,7 +144,8 @@ def layout(
                 carried[key] = (c, piece)
             find[i, c] = carried[key]
     chunks = max(-(-e // chunk_bytes) for e in ends.values())
-    return Layout(pieces, find, grid, chunk_bytes, chunks)
+    at = {int(d): (r, c) for (r, c), d in np.ndenumerate(grid)}
+    return Layout(pieces, find, grid, chunk_bytes, chunks, at)
 
 
 def _stream(pieces: Sequence[Piece], host: Sequence[np.ndarray], chunk_bytes: int):
@@ -277,3 +289,36 @@ def assemble(
             parts.append(jax.device_put(raw.view(piece.dtype).reshape(piece.shape), device))
         leaves.append(jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, parts))
     return leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """A transfer as one process saw it."""
+
+    bytes: int  # the state's bytes each receiving group got (the same on every process)
+    transfer: Transfer | None  # None: this process has no device on the transfer mesh
+    leaves: list[jax.Array] | None  # a receiver's leaves, on the abstract leaves' shardings
+
+
+def move(
+    mesh: Mesh,
+    source_row: int,
+    abstract: Sequence[Any],
+    host: Sequence[np.ndarray] | None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Moved:
+    """Send the source row's state to the other rows of ``mesh``: the whole transfer.
+
+    ``abstract`` leaves carry the shardings the receivers' arrays go on (of a
+    mesh over the same devices, or more); the source row's processes pass
+    their host copy. Any process may call it: one with no device on ``mesh``
+    only learns the byte count.
+    """
+    specs = [a.sharding.spec for a in abstract]
+    plan = layout(mesh, abstract, specs, chunk_bytes)
+    if jax.process_index() not in {d.process_index for d in mesh.devices.flat}:
+        return Moved(plan.payload_bytes, None, None)
+    received, transfer = send_and_receive(mesh, plan, source_row, host)
+    shardings = [a.sharding for a in abstract]
+    leaves = assemble(plan, received, abstract, shardings) if received else None
+    return Moved(plan.payload_bytes, transfer, leaves)

@@ -66,6 +66,7 @@ __all__ = [
     "Restored",
     "Saved",
     "StorageError",
+    "host_replica",
     "missing_files",
     "param_checksum",
 ]
@@ -253,6 +254,19 @@ def param_checksum(params: Any) -> float:
     """
     sums = _leaf_sums(params)
     return float(np.asarray(sums.addressable_shards[0].data, np.float64).sum())
+
+
+def host_replica(state: Any) -> tuple[Any, dict[str, Any]]:
+    """What a multi-process job's writer saves: its replica's host copy, and the record's checks.
+
+    The digest and the parameter checksum are computed where the arrays lie
+    (on device), before the copy, so neither uploads the copy again.
+    """
+    checks = {
+        "state_digest": digest.state_digest(state),
+        "param_checksum": param_checksum(state.params),
+    }
+    return jax.tree.map(multihost.host_copy, state), checks
 
 
 def _check_digest(state: Any, saved: list[int]) -> None:

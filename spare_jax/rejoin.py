@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 _BARRIER_MS = 120_000
-_SLOWEST_BYTES_PER_S = 20e6  # benchmarks/state.py moves 300-900 MB/s on 2 CPU cores
+_SLOWEST_BYTES_PER_S = 20e6  # benchmarks/state.py moved 141-158 MB/s on 2 CPU cores
 
 
 def is_replacement() -> bool:
@@ -175,7 +175,7 @@ def done(epoch: Epoch, nbytes: int) -> None:
     """After every live process has its state: the books published for ``epoch`` go.
 
     Processes outside the transfer wait here while it runs, so the wait
-    grows with the bytes moved (at a tenth of the slowest rate measured).
+    grows with the bytes moved (at a seventh of the slowest rate measured).
     """
     client = _client()
     wait_ms = _BARRIER_MS + int(nbytes / _SLOWEST_BYTES_PER_S * 1000)

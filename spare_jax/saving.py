@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
-from spare_jax import broadcast, digest, errors, jax_internals, multihost, reorder, runlog
+from spare_jax import broadcast, errors, jax_internals, multihost, reorder, runlog
 from spare_jax import checkpoint as ckpt_lib
 
 __all__ = ["Saving"]
@@ -42,7 +42,7 @@ class Saving:
         if not self.multi or self.spanning:
             return self.ckpt.restore_latest(self.global_abstract)
         start = time.perf_counter()
-        self._restores = getattr(self, "_restores", 0) + 1
+        self._restores += 1
         key = f"spare_jax/restore/{self._restores}"
         client = jax_internals.client()
         restored = None
@@ -68,21 +68,16 @@ class Saving:
     def _spread(self, host: Any | None) -> Any:
         """The writer's host state onto every group: its own by placing, the others' by sending."""
         abstract = jax.tree.leaves(self.global_abstract)
-        shardings = [a.sharding for a in abstract]
         mine = multihost.groups_touching(self.owners, [self.writer_process])
         others = [g for g in range(len(self.owners)) if g not in set(mine.tolist())]
         groups = sorted({int(mine.min()), *others})
+        mesh = multihost.survivors_mesh(self._by_group, groups, self._template.mesh)
         leaves = None if host is None else jax.tree.leaves(host)
-        received: dict[int, np.ndarray] = {}
-        if others:
-            mesh = multihost.survivors_mesh(self._by_group, groups, self._template.mesh)
-            plan = broadcast.layout(mesh, abstract, [s.spec for s in shardings])
-            source = groups.index(int(mine.min()))
-            received, _ = broadcast.send_and_receive(mesh, plan, source, leaves)
+        moved = broadcast.move(mesh, groups.index(int(mine.min())), abstract, leaves)
         placed = (
-            multihost.from_local(leaves, shardings)
-            if leaves is not None
-            else broadcast.assemble(plan, received, abstract, shardings)
+            moved.leaves
+            if leaves is None
+            else multihost.from_local(leaves, [a.sharding for a in abstract])
         )
         return jax.tree.unflatten(jax.tree.structure(self.global_abstract), placed)
 
@@ -102,12 +97,8 @@ class Saving:
         local = self.multi and not self.spanning  # one process's whole replica, on its host
         began = time.perf_counter()  # the stall counts the copy off the devices
         if local:
-            meta = {  # computed on device, before the copy
-                **self._meta(),
-                "state_digest": digest.state_digest(self.state),
-                "param_checksum": ckpt_lib.param_checksum(self.state.params),
-            }
-            state = multihost.local_view(self.state)
+            state, checks = ckpt_lib.host_replica(self.state)
+            meta = {**self._meta(), **checks}
         else:
             meta, state = self._meta(), self.step.global_state(self.state)
         if self.spanning:

@@ -155,7 +155,7 @@ class Trainer(Saving, ProcessLoss, Admission):
         # Groups spanning processes: no process holds a whole replica, so checkpoints
         # are written by every live process (Orbax multi-process) at agreed steps.
         self.spanning = self.multi and bool((self.owners != self.owners[:, :1]).any())
-        self._agreed_save = False  # spanning: the job's vote to save after this step
+        self._agreed_save, self._restores = False, 0  # spanning's save vote; restores so far
         self._by_group = multihost.group_devices(step.mesh)
         self._all = list(step.mesh.devices.flat)  # the job's devices: membership is checked on all
         # The whole job's layout by device id: a re-join rebuilds it on a new backend.
