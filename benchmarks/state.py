@@ -89,7 +89,8 @@ def _vm_hwm() -> int:
 
 
 def _side(nbytes: int, leaves: int) -> int:
-    return int((nbytes / leaves / 4) ** 0.5)
+    """The side of each float32 matrix: a multiple of 8, so that 8 devices can shard it."""
+    return int((nbytes / leaves / 4) ** 0.5) // 8 * 8
 
 
 def _state(nbytes: int, leaves: int):
@@ -186,6 +187,25 @@ def _save_work(layout: str, mb: str, directory: str) -> None:
         ),
         flush=True,
     )
+
+
+def _layout_work(mb: str) -> None:
+    """Bytes each device streams when a group's matrices are sharded over 1, 2, 4, 8 devices."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from spare_jax import broadcast
+    from spare_jax import mesh as mesh_lib
+
+    side = _side(int(float(mb) * 1e6), _LEAVES.value)
+    abstract = [jax.ShapeDtypeStruct((side, side), jax.numpy.float32)] * _LEAVES.value
+    rows = {}
+    for inner in (1, 2, 4, 8):
+        mesh = mesh_lib.make_mesh((1, 8 // inner, inner))
+        plan = broadcast.layout(mesh, abstract, [PartitionSpec(None, "model")] * len(abstract))
+        rows[inner] = {"per_device": plan.stream_bytes, "per_group": plan.payload_bytes}
+    print(json.dumps(rows), flush=True)
 
 
 def _work(spec: str) -> None:
@@ -299,6 +319,9 @@ def _run(method: str, mb: str) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
+    if _WORKER.value.startswith("layout:"):
+        _layout_work(_WORKER.value.split(":", 1)[1])
+        return
     if _WORKER.value.startswith("save:"):
         _save_work(*_WORKER.value.split(":", 3)[1:])
         return
@@ -371,6 +394,23 @@ def _transfer_section() -> dict:
                 r["seconds"] for r in dev
             )
             print(f"{mb} MB: devices {ratio:.1f}x faster than kv")
+    print("\nbytes each device streams, the matrices sharded over a group's devices:")
+    for mb in _SIZES.value:
+        cmd = [sys.executable, __file__, f"--worker=layout:{mb}", f"--leaves={_LEAVES.value}"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        rows = _result(out.returncode, out.stdout, out.stderr)
+        if "error" in rows:
+            print(f"{mb:>8} MB  failed: {rows['error']}")
+            continue
+        runs[f"layout:{mb}"] = [rows]
+        print(
+            f"{mb:>8} MB  "
+            + ", ".join(
+                f"{k} device(s): {v['per_device'] / 1e6:.0f} MB "
+                f"({v['per_device'] / v['per_group']:.2f} of the state)"
+                for k, v in rows.items()
+            )
+        )
     return runs
 
 
