@@ -517,8 +517,11 @@ class Checkpointer:
         self.last_save_s: float | None = None
         self._manager = self._open(writer)
 
-    def _open(self, writer: bool) -> ocp.CheckpointManager:
-        """The Orbax manager; read-only for a process that does not write.
+    def _open(self, writer: bool) -> ocp.CheckpointManager | None:
+        """The Orbax manager; None for a process of a multi-process job that does not write.
+
+        A non-writer never lists the directory: Orbax's listing reads each
+        step's metadata, and the writer may be setting one aside meanwhile.
 
         ``process_local``: this process saves and restores its own replica
         (`ReplicaHandler`) and never waits on a barrier with the others (one
@@ -540,6 +543,10 @@ class Checkpointer:
             )
         else:
             multiprocessing = ocp.options.MultiprocessingOptions()
+        self.writer = writer
+        self._multiprocessing = multiprocessing
+        if not writer and self.process_local:
+            return None
         local_dirs = self.process_local or self.group is not None
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=self.policy,
@@ -558,8 +565,6 @@ class Checkpointer:
         )
         if local_dirs and writer:
             os.makedirs(self.directory, exist_ok=True)
-        self.writer = writer
-        self._multiprocessing = multiprocessing
         state = (
             ReplicaHandler()
             if self.process_local
@@ -578,19 +583,19 @@ class Checkpointer:
 
     def regroup(self, primary: int, active: set[int]) -> None:
         """The live processes changed: save with these from now on (a new barrier scope)."""
-        self._manager.close()
+        self.close()
         self.group, self._epoch = (int(primary), frozenset(active)), self._epoch + 1
         self._manager = self._open(True)
 
     def become_writer(self) -> None:
         """Take over saving (the previous writer's process died)."""
         if not self.writer:
-            self._manager.close()
+            self.close()
             self._manager = self._open(True)
 
     def steps(self) -> list[int]:
-        """Steps on disk, oldest first."""
-        return list(self._manager.all_steps())
+        """Steps on disk, oldest first (a process that does not write sees none)."""
+        return [] if self._manager is None else list(self._manager.all_steps())
 
     def save(
         self,
@@ -649,7 +654,7 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """Whether Orbax's policy would save ``step`` (ask before building what to save)."""
-        return self.writer and self._manager.should_save(step)
+        return self._manager is not None and self.writer and self._manager.should_save(step)
 
     def poll(self) -> list[Saved]:
         """The saves completed with all their files since last asked (each reported once).
@@ -670,7 +675,7 @@ class Checkpointer:
 
     def _settle(self) -> None:
         """Let the save in flight finish; keep its report for `poll` or `wait`."""
-        if self._pending is None:
+        if self._pending is None and self._manager is not None:
             self._manager.wait_until_finished()
         self._report(self._finish_pending())
 
@@ -776,6 +781,8 @@ class Checkpointer:
         Raises:
             NoUsableCheckpoint: checkpoints exist but every one of them failed.
         """
+        if self._manager is None:
+            raise RuntimeError("only the writer reads checkpoints in a multi-process job")
         self._settle()
         self._manager.reload()
         tried = 0
@@ -810,7 +817,8 @@ class Checkpointer:
         return None
 
     def close(self) -> None:
-        self._manager.close()
+        if self._manager is not None:
+            self._manager.close()
 
 
 def _tree_bytes(path: str) -> int:

@@ -89,6 +89,8 @@ class Saving:
         self._agreed_save = False
         if not (force or due):  # most steps: nothing to build or copy
             return
+        if self.multi and not self.spanning and not self.ckpt.writer:
+            return  # the writer saves its replica; no copy here to throw away
         self._at("checkpoint")
         # Orbax waits for the previous save before starting this one anyway: put it on
         # record first, so that a kill during this save cannot lose its event.
