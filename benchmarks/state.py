@@ -35,7 +35,13 @@ background write (start to complete, MB/s), the restore (read, checked,
 placed; MB/s), the peak resident memory above JAX's own as a multiple of the
 state, and the state that the write rate saves inside a preemption notice
 (``--preempt_s``, the launcher's default 60 s, less 2 s to leave).
-``--out`` keeps a JSON of every run (appended).
+The copy of the state off the devices alone (`multihost.host_copy`, as the
+replica's save makes it; timed after the rest) is printed beside the stall:
+the floor a save's stall can reach. ``--out`` keeps a JSON of every run (appended).
+
+``--platform=gpu`` puts the state on GPUs: the save section on the first
+one, the transfer on one GPU per process (NCCL instead of Gloo; it needs 3
+GPUs and says so otherwise).
 """
 
 from __future__ import annotations
@@ -71,11 +77,19 @@ _KV_MAX = flags.DEFINE_float(
 _OUT = flags.DEFINE_string("out", "", "Directory for state.json (optional).")
 _SECTIONS = flags.DEFINE_list("sections", ["transfer", "save"], "transfer, save.")
 _PREEMPT_S = flags.DEFINE_float("preempt_s", 60.0, "The preemption notice (launcher's default).")
+_PLATFORM = flags.DEFINE_enum(
+    "platform",
+    "cpu",
+    ["cpu", "gpu"],
+    "Devices: cpu (one simulated device per process) or gpu (one GPU per process: the "
+    "transfer needs 3).",
+)
 _WORKER = flags.DEFINE_string(
     "worker", "", "Internal: METHOD:MB:PORT:PROCESS or save:LAYOUT:MB:DIR."
 )
 
 PROCESSES = 3
+_JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}  # JAX's "gpu" would also try ROCm
 TIMEOUT_S = 900
 
 
@@ -141,9 +155,11 @@ def _save_work(layout: str, mb: str, directory: str) -> None:
     import numpy as np
     import optax
 
-    from spare_jax import checkpoint
+    from spare_jax import checkpoint, multihost
     from spare_jax.train_step import TrainState
 
+    jax.config.update("jax_platforms", _JAX_PLATFORM[_PLATFORM.value])
+    jax.devices()  # the runtime's own memory is not the state's
     base = _vm_hwm()
     nbytes = int(float(mb) * 1e6)
     params = {f"w{i}": x for i, x in enumerate(_state(nbytes, _LEAVES.value))}
@@ -169,19 +185,26 @@ def _save_work(layout: str, mb: str, directory: str) -> None:
     del saved_state
     restored = ckpt.restore_latest(abstract)
     jax.block_until_ready(restored.state)
+    restore_s = restored.restore_s
     exact = all(
         np.asarray(a).tobytes() == np.asarray(b).tobytes()
         for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state), strict=True)
     )
     ckpt.close()
+    peak = (_vm_hwm() - base) / state_bytes
+    del restored
+    copy_start = time.perf_counter()
+    jax.tree.map(multihost.host_copy, state)
+    copy_s = time.perf_counter() - copy_start
     print(
         json.dumps(
             {
+                "copy_s": copy_s,
                 "stall_s": stall,
                 "write_s": saved.write_s,
-                "restore_s": restored.restore_s,
+                "restore_s": restore_s,
                 "state_bytes": state_bytes,
-                "peak_over_state": (_vm_hwm() - base) / state_bytes,
+                "peak_over_state": peak,
                 "exact": exact,
             }
         ),
@@ -203,7 +226,10 @@ def _layout_work(mb: str) -> None:
     rows = {}
     for inner in (1, 2, 4, 8):
         mesh = mesh_lib.make_mesh((1, 8 // inner, inner))
-        plan = broadcast.layout(mesh, abstract, [PartitionSpec(None, "model")] * len(abstract))
+        specs = [PartitionSpec(None, "model")] * len(abstract)
+        plan = broadcast.layout(
+            mesh, abstract, specs, _CHUNK_MB.value << 20 or broadcast.CHUNK_BYTES
+        )
         rows[inner] = {"per_device": plan.stream_bytes, "per_group": plan.payload_bytes}
     print(json.dumps(rows), flush=True)
 
@@ -216,8 +242,12 @@ def _work(spec: str) -> None:
     import jax
     import numpy as np
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{port}", PROCESSES, me)
+    jax.config.update("jax_platforms", _JAX_PLATFORM[_PLATFORM.value])
+    if _PLATFORM.value == "gpu":
+        jax.distributed.initialize(f"localhost:{port}", PROCESSES, me, local_device_ids=[me])
+    else:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"localhost:{port}", PROCESSES, me)
     jax.devices()  # every backend starts together (each publishes its devices)
     from spare_jax import jax_internals
 
@@ -265,11 +295,14 @@ def _result(code: int, out: str, err: str) -> dict:
     return json.loads(lines[-1])
 
 
-def _repeat(run) -> list[dict]:
-    """``--repeats`` runs of one case, stopping at the first that fails."""
+def _repeat(run, label: str) -> list[dict]:
+    """``--repeats`` runs of one case, stopping at the first that fails; each run on one line."""
     rows: list[dict] = []
-    for _ in range(_REPEATS.value):
+    for i in range(_REPEATS.value):
+        start = time.perf_counter()
         rows.append(run())
+        said = {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}
+        print(f"  {label} run {i + 1}: {time.perf_counter() - start:.1f} s {said}", flush=True)
         if "error" in rows[-1]:
             break
     return rows
@@ -285,6 +318,7 @@ def _run(method: str, mb: str) -> dict:
                 f"--worker={method}:{mb}:{port}:{p}",
                 f"--leaves={_LEAVES.value}",
                 f"--chunk_mb={_CHUNK_MB.value}",
+                f"--platform={_PLATFORM.value}",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -353,12 +387,25 @@ def main(argv: list[str]) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def _gpus() -> int:
+    """GPUs on this machine, asked in a child process (this one never starts a backend)."""
+    code = "import jax; print(len(jax.devices('gpu')))"
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    return int(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout.split() else 0
+
+
 def _transfer_section() -> dict:
     from spare_jax import broadcast
 
+    if _PLATFORM.value == "gpu" and (found := _gpus()) < PROCESSES:
+        print(f"transfer: skipped, it needs {PROCESSES} GPUs (one per process); found {found}")
+        return {"skipped": [{"error": f"{found} GPU(s)"}]}
     print(
-        f"{PROCESSES} processes x 1 CPU device, one group each; process 0 holds the state "
-        f"({_LEAVES.value} float32 matrices), 1 and 2 receive; chunk "
+        f"{PROCESSES} processes x 1 {_PLATFORM.value.upper()} device, one group each; process 0 "
+        f"holds the state ({_LEAVES.value} float32 matrices), 1 and 2 receive; chunk "
         f"{_CHUNK_MB.value or broadcast.CHUNK_BYTES >> 20} MiB; medians of {_REPEATS.value}",
         flush=True,
     )
@@ -369,7 +416,7 @@ def _transfer_section() -> dict:
             if method == "kv" and float(mb) > _KV_MAX.value:
                 runs[key] = [{"error": f"skipped (--kv_max_mb={_KV_MAX.value:g})"}]
                 continue
-            runs[key] = _repeat(lambda m=method, mb=mb: _run(m, mb))
+            runs[key] = _repeat(lambda m=method, mb=mb: _run(m, mb), f"{method} {mb} MB")
     head = f"{'size MB':>8} {'transport':>9} {'seconds':>8} {'MB/s':>8}"
     print(f"\n{head}  peak RSS / state (p0 p1 p2)")
     for key, rows in runs.items():
@@ -397,6 +444,7 @@ def _transfer_section() -> dict:
     print("\nbytes each device streams, the matrices sharded over a group's devices:")
     for mb in _SIZES.value:
         cmd = [sys.executable, __file__, f"--worker=layout:{mb}", f"--leaves={_LEAVES.value}"]
+        cmd.append(f"--chunk_mb={_CHUNK_MB.value}")
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
         rows = _result(out.returncode, out.stdout, out.stderr)
         if "error" in rows:
@@ -417,7 +465,7 @@ def _transfer_section() -> dict:
 def _save_run(layout: str, mb: str, directory: str) -> dict:
     """One save and restore in a fresh process, into ``directory`` (removed after)."""
     cmd = [sys.executable, __file__, f"--worker=save:{layout}:{mb}:{directory}"]
-    cmd.append(f"--leaves={_LEAVES.value}")
+    cmd += [f"--leaves={_LEAVES.value}", f"--platform={_PLATFORM.value}"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
@@ -436,14 +484,16 @@ def _save_section(out_dir: str | None) -> dict:
             for layout in ("replica", "orbax"):
                 directory = os.path.join(scratch, f"{layout}-{mb}")
                 runs[f"{layout}:{mb}"] = _repeat(
-                    lambda lay=layout, mb=mb, d=directory: _save_run(lay, mb, d)
+                    lambda lay=layout, mb=mb, d=directory: _save_run(lay, mb, d),
+                    f"{layout} {mb} MB",
                 )
     budget = _PREEMPT_S.value - 2.0
     print(
-        f"\none process saves and restores the state; medians of {_REPEATS.value}; "
+        f"\none process saves and restores the state on {_PLATFORM.value.upper()}; medians of "
+        f"{_REPEATS.value}; "
         f"'fits' = the state the write rate saves in a {_PREEMPT_S.value:g} s notice less 2 s"
     )
-    head = f"{'size MB':>8} {'layout':>8} {'stall s':>8} {'write s':>8} {'MB/s':>6}"
+    head = f"{'size MB':>8} {'layout':>8} {'copy s':>7} {'stall s':>8} {'write s':>8} {'MB/s':>6}"
     print(f"{head} {'restore s':>9} {'MB/s':>6} {'peak':>5} {'fits GB':>8}")
     for key, rows in runs.items():
         layout, mb = key.split(":")
@@ -456,7 +506,7 @@ def _save_section(out_dir: str | None) -> dict:
         write_rate, read_rate = size / med["write_s"], size / med["restore_s"]
         flag = "" if all(r["exact"] for r in good) else "  NOT EXACT"
         print(
-            f"{mb:>8} {layout:>8} {med['stall_s']:8.3f} {med['write_s']:8.2f} "
+            f"{mb:>8} {layout:>8} {med['copy_s']:7.3f} {med['stall_s']:8.3f} {med['write_s']:8.2f} "
             f"{write_rate / 1e6:6.0f} {med['restore_s']:9.2f} {read_rate / 1e6:6.0f} "
             f"{med['peak_over_state']:5.2f} {budget * write_rate / 1e9:8.1f}{flag}"
         )

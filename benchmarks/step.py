@@ -36,7 +36,13 @@ drifting on a shared machine hits both sides of a ratio alike.
    and each program's compile time.
 
 ``--tiny`` shrinks the model and keeps one mesh (8x1x1) and whole shards: a
-smoke run for tests, whose figures are not measurements. ``--out`` writes the
+smoke run for tests, whose figures are not measurements.
+
+``--platform=gpu`` runs section 6 on the GPUs present (a mesh of one group
+per GPU, r = 2 where there are two or more groups, else 1) with a larger
+bfloat16 model (`GPU_MODEL`): the split step's failure-free cost and each
+program's compile time where the step is short and compiles are long. The
+other sections are defined on 8 CPU devices. ``--out`` writes the
 results as JSON to that one file (checked before anything is measured).
 """
 
@@ -77,10 +83,17 @@ _TINY = flags.DEFINE_bool("tiny", False, "Tiny model, one mesh, m = 1 only: a sm
 _SECTIONS = flags.DEFINE_multi_enum(
     "sections", ["1", "2", "3", "4", "5", "6"], ["1", "2", "3", "4", "5", "6"], "Sections to run."
 )
+_PLATFORM = flags.DEFINE_enum(
+    "platform", "cpu", ["cpu", "gpu"], "cpu: 8 simulated devices; gpu: the GPUs, section 6."
+)
 
 DEVICES = 8
 MODEL = model_lib.ModelConfig(vocab=256, seq_len=64, d_model=128, heads=4, layers=2, d_ff=512)
 TINY_MODEL = model_lib.ModelConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=1, d_ff=32)
+# About 0.13 B parameters: a step of tens of milliseconds on one GPU.
+GPU_MODEL = model_lib.ModelConfig(
+    vocab=8192, seq_len=512, d_model=1024, heads=16, layers=8, d_ff=4096, dtype="bfloat16"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,9 +431,10 @@ def split_vs_fused(benches: Benches, shapes: Sequence[tuple], m: int) -> list[di
     )
     rows = []
     for shape in shapes:
-        fused = benches.get(shape, "spare", 2, m)
-        split = Bench(benches.lm, shape, "spare", 2, m, benches.batch)
-        two = Bench(benches.lm, shape, "spare", 2, m, benches.batch)
+        r = min(2, shape[0] * shape[1])  # one group (one GPU): no neighbour to hold
+        fused = benches.get(shape, "spare", r, m)
+        split = Bench(benches.lm, shape, "spare", r, m, benches.batch)
+        two = Bench(benches.lm, shape, "spare", r, m, benches.batch)
         base = split.step
         program = domains.Split(base.loss_fn, base.tx, base.mesh, base.rows, base.accum_dtype)
         split.step = base.on_mesh(base.mesh, base.rows, domain=program)
@@ -452,16 +466,23 @@ def split_vs_fused(benches: Benches, shapes: Sequence[tuple], m: int) -> list[di
 def main(argv: list[str]) -> None:
     del argv
     cli.output_file("out", _OUT.value)
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", DEVICES)
-    if jax.device_count() < DEVICES:
-        raise app.UsageError(f"need {DEVICES} CPU devices, JAX has {jax.device_count()}")
     tiny = _TINY.value
-    lm = Lm.build(TINY_MODEL if tiny else MODEL)
-    meshes = [(8, 1, 1)] if tiny else [(2, 2, 2), (8, 1, 1)]
+    if _PLATFORM.value == "gpu":
+        if set(_SECTIONS.value) != {"6"}:
+            raise app.UsageError("--platform=gpu runs section 6 only: pass --sections=6")
+        jax.config.update("jax_platforms", "cuda")  # "gpu" would also try ROCm
+        lm = Lm.build(TINY_MODEL if tiny else GPU_MODEL)
+        meshes = [(jax.device_count(), 1, 1)]
+    else:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", DEVICES)
+        if jax.device_count() < DEVICES:
+            raise app.UsageError(f"need {DEVICES} CPU devices, JAX has {jax.device_count()}")
+        lm = Lm.build(TINY_MODEL if tiny else MODEL)
+        meshes = [(8, 1, 1)] if tiny else [(2, 2, 2), (8, 1, 1)]
     m_free = 1 if tiny else 4
     print(
-        f"devices: {jax.device_count()} x {jax.devices()[0].platform}, host cores: "
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, host cores: "
         f"{os.cpu_count()}, model {lm.cfg}, {_BATCH.value} sequences per micro-batch; "
         f"medians of {_STEPS.value} interleaved rounds after {_WARMUP.value} warm-up calls"
         + (" (--tiny: a smoke run, not a measurement)" if tiny else "")
@@ -473,6 +494,8 @@ def main(argv: list[str]) -> None:
             "warmup": _WARMUP.value,
             "batch": _BATCH.value,
             "tiny": tiny,
+            "platform": jax.devices()[0].platform,
+            "device_kind": jax.devices()[0].device_kind,
             "model": dataclasses.asdict(lm.cfg),
             "cores": os.cpu_count(),
         }

@@ -67,6 +67,8 @@ __all__ = [
     "ENV",
     "EXIT_DECLARED_DEAD",
     "EXIT_GROUP_LOST",
+    "GPU_RECOVERY_ENV",
+    "GPU_RECOVERY_FLAGS",
     "collective_timeout_flag",
     "from_local",
     "global_mesh",
@@ -81,6 +83,7 @@ __all__ = [
     "reshard",
     "serve",
     "survivors_mesh",
+    "with_flags",
 ]
 
 # What a launcher tells each worker (torchrun's RANK and WORLD_SIZE, in our names).
@@ -88,6 +91,27 @@ EXIT_DECLARED_DEAD = 76  # a worker the job declared dead (a stall past the hear
 EXIT_GROUP_LOST = errors.EXIT_GROUP_LOST  # a worker whose group lost another process leaves
 DEFAULT_HEARTBEAT_S = 10
 DEFAULT_COLLECTIVE_TIMEOUT_S = 10
+
+
+# JAX's fault-tolerance guide (docs.jax.dev, "Fault Tolerant Distributed JAX"): on
+# GPU an NCCL error must not end the process, and a collective whose peer died must
+# be abortable (non-blocking communicators, aborted on a failure the service reports).
+GPU_RECOVERY_FLAGS = (
+    "--xla_gpu_nccl_terminate_on_error=false",
+    "--xla_gpu_nccl_async_execution=true",
+    "--xla_gpu_nccl_blocking_communicators=false",
+)
+GPU_RECOVERY_ENV = {
+    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
+    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
+}
+
+
+def with_flags(xla_flags: str, flags: list[str]) -> str:
+    """``xla_flags`` with each of ``flags`` added unless the user already set that flag."""
+    given = {f.split("=", 1)[0] for f in xla_flags.split()}
+    extra = [f for f in flags if f.split("=", 1)[0] not in given]
+    return " ".join([*xla_flags.split(), *extra])
 
 
 def collective_timeout_flag(seconds: int) -> str:
@@ -242,8 +266,10 @@ def initialize_job(
     timeout = (
         collective_timeout_s or _env_int("collective_timeout_s") or DEFAULT_COLLECTIVE_TIMEOUT_S
     )
-    flag = collective_timeout_flag(timeout)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    flags = [collective_timeout_flag(timeout), *GPU_RECOVERY_FLAGS]  # each backend reads its own
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), flags)
+    for name, value in GPU_RECOVERY_ENV.items():
+        os.environ.setdefault(name, value)
     if os.environ.get(ENV["exit_with_parent"]) == "1":
         _exit_with_parent()
     external = os.environ.get(ENV["coordinator"]) == address  # a launcher hosts the service
@@ -380,10 +406,18 @@ def on_mesh(mesh: Mesh, shardings: Any) -> Any:
 
 
 def host_copy(x: jax.Array) -> np.ndarray:
-    """This process's full copy of a group-replicated array, assembled from its own shards."""
+    """This process's full copy of a group-replicated array, assembled from its own shards.
+
+    Each distinct shard is copied off its device once, however many of this
+    process's groups hold a replica of it.
+    """
     out = np.empty(x.shape, x.dtype)
+    copied: set[tuple] = set()
     for shard in x.addressable_shards:
-        out[shard.index] = np.asarray(shard.data)
+        key = tuple((s.start, s.stop, s.step) for s in shard.index)
+        if key not in copied:
+            copied.add(key)
+            out[shard.index] = np.asarray(shard.data)
     return out
 
 

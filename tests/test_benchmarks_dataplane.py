@@ -178,3 +178,40 @@ def test_hsdp_benchmark_tiny(tmp_path):
         assert (row["aliased"] >= row["state"]) if donated else row["aliased"] == 0, row
         peak = row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
         assert row["peak"] == peak
+
+
+@pytest.mark.slow  # starts processes: run after the README's command
+def test_state_benchmark_tiny(tmp_path):
+    """A 16 MB state moved over the devices and saved both ways: exact, rates and ratios sane."""
+    result = _run(
+        "state.py",
+        "--sizes_mb=16",
+        "--chunk_mb=1",
+        "--repeats=1",
+        "--methods=devices",
+        "--sections=transfer,save",
+        f"--out={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "NOT EXACT" not in result.stdout and "failed" not in result.stdout, result.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # its scratch is gone
+    (record,) = [json.loads(line) for line in (tmp_path / "state.json").read_text().splitlines()]
+    (moved,) = record["transfer"]["devices:16"]
+    assert moved["exact"] and _positive(moved["seconds"]) and len(moved["peak"]) == 3
+    layout = record["transfer"]["layout:16"][0]
+    whole = layout["1"]["per_device"]
+    for devices in ("2", "4", "8"):  # a group's devices each stream their share
+        assert layout[devices]["per_device"] == pytest.approx(whole / int(devices), rel=0.05)
+    for kind in ("replica", "orbax"):
+        (saved,) = record["save"][f"{kind}:16"]
+        assert saved["exact"], saved
+        assert _positive(saved["copy_s"]) and _positive(saved["stall_s"])
+        assert saved["write_s"] >= saved["stall_s"] and _positive(saved["restore_s"])
+
+
+def test_state_benchmark_on_gpu_says_it_needs_three(tmp_path):
+    """Without 3 GPUs the transfer on GPU is skipped with its reason, not a worker's crash."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = _run("state.py", "--platform=gpu", "--sections=transfer", "--sizes_mb=1", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipped, it needs 3 GPUs (one per process); found 0" in result.stdout
