@@ -15,7 +15,8 @@ the parameters and the micro-batches' rows FSDP-style, a second one shards the
 hidden layer tensor-style. ``--input=units`` reads only the rows of the groups
 each process holds (``batches(t, units)``, `spare_jax.inputs`); ``global``
 builds the whole global batch on every process. The last line says how many
-rows this process read. ``--compile_cache`` places JAX's persistent
+rows this process read. ``--balance`` gives groups measured to be slow fewer
+micro-batches (multi-process). ``--compile_cache`` places JAX's persistent
 compilation cache (default ``WORKDIR/compile_cache``; ``off``: none).
 Everything fault-tolerant comes from three calls:
 `spare_jax.initialize`, `spare_jax.make_train_step`, `spare_jax.fit`. At the
@@ -58,6 +59,11 @@ _COMPILE_CACHE = flags.DEFINE_string(
     "",
     "JAX's persistent compilation cache: a directory; '' for fit's default "
     "(WORKDIR/compile_cache); 'off' for none.",
+)
+_BALANCE = flags.DEFINE_bool(
+    "balance",
+    False,
+    "Multi-process: give groups measured to be slow fewer micro-batches (spare_jax.balancing).",
 )
 ROWS = 4  # rows of one micro-batch
 MICROBATCHES = 2
@@ -162,6 +168,7 @@ def main(argv: list[str]) -> None:
         failures=_FAILURES.value or None,
         checkpoint_steps=_CHECKPOINT_STEPS.value or None,
         compile_cache=compile_cache,
+        balance=_BALANCE.value,
     )
     path = os.path.join(workdir, f"params-{jax.process_index()}.npz")
     np.savez(path, **result.params)

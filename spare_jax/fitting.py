@@ -202,6 +202,7 @@ def fit(
     keep: int = 3,
     warmup_steps: int = 3,
     precompile_failures: bool = False,
+    balance: bool = False,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     compile_cache: str | None | bool = None,
 ) -> FitResult:
@@ -233,6 +234,9 @@ def fit(
         warmup_steps: steps timed before the first (calibration) save.
         precompile_failures: multi-process: compile at start-up the step each
             single process failure would leave (a recovery then compiles nothing).
+        balance: multi-process: measure each failure domain's compute speed and,
+            when it pays, give slow groups fewer micro-batches (exact; a
+            ``straggler`` event says so; `spare_jax.balancing`). Off by default.
         on_step: called with each step's record (the ``metrics.jsonl`` fields).
         compile_cache: where JAX's persistent compilation cache keeps the
             compiled programs, so that a rerun or a relaunched job loads them
@@ -285,6 +289,7 @@ def fit(
             max_rollbacks=max_rollbacks,
             gpu_mtbf_hours=gpu_mtbf_hours,
             precompile_failures=bool(precompile_failures),
+            balance=bool(balance),
             on_step=on_step,
             fault_hook=testing.fault_hook_from_env(),
         )

@@ -11,9 +11,10 @@ layout it indexes:
   (`local_index`). `unit_ids` maps every local index back to its unit, so the
   data pipeline and the step agree by construction.
 * **Slots.** `Slots` says, per group and slot, which local index to compute
-  (``-1``: none) and whether its gradient counts. Every group walks
-  ``n_slots`` slots (the busiest group's load): SPMD groups cannot skip ahead
-  of each other, and an idle slot costs what waiting would.
+  (``-1``: none) and whether its gradient counts. Each group walks its own
+  slots, up to its last filled one (at most ``n_slots``, the busiest load):
+  with equal speeds a lighter group only waits sooner at the cross-group sum;
+  a slow group given fewer micro-batches (`for_speeds`) finishes sooner.
 
 `for_live_set` is the whole failure path from a live mask to a table:
 `spare_jax.reorder` assigns every micro-batch to one live holder (raising
@@ -33,6 +34,7 @@ __all__ = [
     "Slots",
     "drop_and_renormalise",
     "for_live_set",
+    "for_speeds",
     "from_assignment",
     "local_index",
     "stack_size",
@@ -72,7 +74,7 @@ class Slots:
         alive: float32[G] live mask: a dead group's sum is multiplied by 0.
         denom: float32 scalar divisor of the gradient sum: ``G * m`` units for
             an exact step, never the live count.
-        n_slots: int32 scalar, slots every group walks (the busiest load, <= L).
+        n_slots: int32 scalar, the busiest group's load (<= L): no group walks more.
     """
 
     index: np.ndarray
@@ -153,3 +155,15 @@ def for_live_set(placement: Placement, alive: np.ndarray, microbatches: int, pol
     if policy == "drop":
         return drop_and_renormalise(placement, alive, microbatches)
     return from_assignment(reorder.assign(placement, alive, microbatches, policy))
+
+
+def for_speeds(placement: Placement, speeds: np.ndarray, microbatches: int) -> Slots:
+    """The slot table of the fastest exact step at these relative group speeds.
+
+    `reorder.assign_by_speed`: a group of speed 0 is dead, a slow group is
+    given fewer micro-batches and walks only those (`train_step.group_gradients`).
+
+    Raises:
+        reorder.Interruption: some shard has no holder of speed > 0.
+    """
+    return from_assignment(reorder.assign_by_speed(placement, speeds, microbatches))

@@ -108,7 +108,11 @@ def group_gradients(
         )
         return grad_acc, loss_acc + loss.astype(jnp.float32) * w
 
-    grads, loss = jax.lax.fori_loop(0, table.n_slots, slot, carry0)
+    # This group walks its own slots only, up to its last filled one: a group given
+    # fewer micro-batches (a slower one, `reorder.assign_by_speed`) finishes sooner
+    # instead of computing empty slots at weight 0.
+    filled = jnp.max(jnp.where(table.index[0] >= 0, jnp.arange(1, table.index.shape[1] + 1), 0))
+    grads, loss = jax.lax.fori_loop(0, jnp.minimum(filled, table.n_slots), slot, carry0)
     live = table.alive[0]
     masked = jax.tree.map(lambda g: g * live.astype(g.dtype), (grads, loss))
     if not reduce:  # one group: its sum is the sum (returned with a group axis of 1)
@@ -352,6 +356,11 @@ class SpareStep:
         self.slot_bound = checks.integer("slot_bound", bound, low=1)
         self.compiles = 0
         self._unit_ids = slots.unit_ids(placement, self.microbatches)[self.rows]
+        # Each group's walked slots (up to its last filled one) in the latest table, and
+        # the seconds of this process's gradients program in the latest timed `reduce`.
+        self.walked = np.zeros(self.groups, np.int32)
+        self.compute_s: float | None = None
+        self._walks: dict[bytes, np.ndarray] = {}
         self._tables: collections.OrderedDict[bytes, tuple[slots.Slots, int]] = (
             collections.OrderedDict()
         )
@@ -416,22 +425,38 @@ class SpareStep:
 
     # ------------------------------------------------------------------ inputs
 
-    def table(self, alive: np.ndarray) -> tuple[slots.Slots, int]:
+    def table(self, alive: np.ndarray, speeds: np.ndarray | None = None) -> tuple[slots.Slots, int]:
         """The placed slot table of a live set and its max load (cached per live set).
+
+        ``speeds``: the groups' relative throughputs (adaptive policy only): the
+        table of the shortest step at those speeds (`slots.for_speeds`), a slow
+        group walking fewer slots; None: equal speeds.
 
         Raises:
             reorder.Interruption: some shard has no live holder.
             ValueError: ``alive`` is not a bool array of length ``groups``, or
-                marks live a group that has no devices on this mesh.
+                marks live a group that has no devices on this mesh; ``speeds``
+                is not ``groups`` finite values >= 0, or the policy is not adaptive.
         """
         alive = checks.bool_mask("alive", alive, self.groups)
-        key = alive.tobytes()
+        if speeds is not None:
+            if self.policy != "adaptive":
+                raise ValueError(f"speeds need the adaptive policy, this step's is {self.policy}")
+            if np.shape(speeds) != (self.groups,):
+                raise ValueError(f"speeds must have shape ({self.groups},), got {np.shape(speeds)}")
+            speeds = np.where(alive, np.asarray(speeds, np.float64), 0.0)
+        key = alive.tobytes() + (b"" if speeds is None else speeds.tobytes())
         if key in self._tables:
             self._tables.move_to_end(key)
+            self.walked = self._walks[key]
             return self._tables[key]
         if alive[np.setdiff1d(np.arange(self.groups), self.rows)].any():
             raise ValueError("alive marks a group live that has no devices on this mesh")
-        host = slots.for_live_set(self.placement, alive, self.microbatches, self.policy)
+        host = (
+            slots.for_live_set(self.placement, alive, self.microbatches, self.policy)
+            if speeds is None
+            else slots.for_speeds(self.placement, speeds, self.microbatches)
+        )
         self.slot_bound = max(self.slot_bound, host.width)
         host = host.pad(self.slot_bound)
         placed = slots.Slots(
@@ -442,8 +467,10 @@ class SpareStep:
             n_slots=_put(host.n_slots, self._rep),
         )
         self._tables[key] = (placed, host.max_load)
+        filled = np.where(host.index >= 0, np.arange(1, host.width + 1), 0)
+        self.walked = self._walks[key] = filled.max(axis=1).astype(np.int32)
         if len(self._tables) > _CACHE_SIZE:
-            self._tables.popitem(last=False)
+            self._walks.pop(self._tables.popitem(last=False)[0])
         return self._tables[key]
 
     def _rows_per_unit(self, batch: Any) -> int:
@@ -608,18 +635,27 @@ class SpareStep:
         new, metrics = self.update(state, grad_sum, loss_sum, table)
         return new, {**metrics, "finite": finite}
 
-    def reduce(self, state: TrainState, stacks: Any, table: slots.Slots) -> tuple[Any, ...]:
+    def reduce(
+        self, state: TrainState, stacks: Any, table: slots.Slots, *, timed: bool = False
+    ) -> tuple[Any, ...]:
         """The step's part that crosses groups: ``(grad_sum, loss_sum, finite)``; keeps ``state``.
 
         With `update`, the split form of `run` (``split=True``, multi-process
         jobs): a peer lost during `reduce` leaves every survivor's state as it
         was, and the state is donated only to `update`, in which no other group
-        takes part. A non-finite sum is never applied.
+        takes part. A non-finite sum is never applied. ``timed`` (a step split by
+        failure domain): wait for this domain's gradients before the cross-group
+        sum and keep their seconds in `compute_s` (a slow group's own time, not
+        the time it makes the others wait).
         """
         self._check_loss(state, stacks)
         with jax.transfer_guard("disallow"):
             if self.domain is not None:
+                start = time.perf_counter()
                 mine = self.domain.gradients(state.params, stacks, table)
+                if timed:
+                    jax.block_until_ready(mine)
+                    self.compute_s = time.perf_counter() - start
                 return self.domain.cross(self.mesh, [mine])
             return self._program("reduce", state)(state, stacks, table)
 
@@ -661,15 +697,17 @@ class SpareStep:
         return out
 
     def __call__(
-        self, state: TrainState, batch: Any, alive: np.ndarray
+        self, state: TrainState, batch: Any, alive: np.ndarray, speeds: np.ndarray | None = None
     ) -> tuple[TrainState, dict[str, Any]]:
         """One exact step on the failure-free global ``batch`` with the groups ``alive``.
 
+        ``speeds`` (optional): the groups' relative throughputs; see `table`.
+
         Raises:
             reorder.Interruption: some shard has no live holder (``state`` is untouched).
-            ValueError: a malformed ``batch`` or ``alive``, or a non-scalar loss.
+            ValueError: a malformed ``batch``, ``alive`` or ``speeds``, or a non-scalar loss.
         """
-        table, load = self.table(alive)
+        table, load = self.table(alive, speeds)
         new_state, metrics = self.run(state, self.stacks(batch), table)
         return new_state, {**metrics, "max_load": load}
 

@@ -6,7 +6,8 @@ is lost), the writer role, the checkpoint interval (`checkpoint.Interval`,
 which is Orbax's save decision), the checkpoints, rollback, resume and the run
 log. Its parts by concern, each in its own module: the loop and the step
 (here), saves, restores and rollback (`spare_jax.saving`), a process loss
-(`spare_jax.recovery`) and re-join (`spare_jax.admission`). A failure travels
+(`spare_jax.recovery`), re-join (`spare_jax.admission`) and slow groups
+(`spare_jax.balancing`). A failure travels
 one way:
 
 * **simulated** (a schedule or a rate): `Failures.advance` changes the live
@@ -45,7 +46,6 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from spare_jax import checkpoint as ckpt_lib
 from spare_jax import (
     compile_cache,
-    errors,
     fingerprint,
     inputs,
     liveness,
@@ -57,6 +57,7 @@ from spare_jax import (
 from spare_jax import mesh as mesh_lib
 from spare_jax import train_step as step_lib
 from spare_jax.admission import Admission
+from spare_jax.balancing import Balancing, SpeedTracker
 from spare_jax.recovery import ProcessLoss
 from spare_jax.saving import Saving
 
@@ -89,7 +90,7 @@ def interval_model(
     )
 
 
-class Trainer(Saving, ProcessLoss, Admission):
+class Trainer(Saving, ProcessLoss, Admission, Balancing):
     """One attempt at a run: its state, its books, and the handling of each kind of failure.
 
     Args:
@@ -126,6 +127,7 @@ class Trainer(Saving, ProcessLoss, Admission):
         max_rollbacks: int = 100,
         gpu_mtbf_hours: float = 5.1e4,
         precompile_failures: bool = False,
+        balance: bool = False,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         fault_hook: Callable[[int], None] | None = None,
     ):
@@ -203,6 +205,8 @@ class Trainer(Saving, ProcessLoss, Admission):
         self._check_input = True  # the batch contract, at a job's first step (`_check_batch`)
         self.input_rows = 0  # rows this process read from `batches`, every (re)load included
         self._next: tuple[Any, int, Any, int] | None = None  # a prefetched step's input
+        self._tracker = SpeedTracker(step.groups) if balance and self.multi else None
+        self._speeds, self._window, self._balanced_for = None, [0.0, 0.0], self.step
 
     # ------------------------------------------------------------------ roles
 
@@ -313,7 +317,8 @@ class Trainer(Saving, ProcessLoss, Admission):
                     # Only the reduction crosses groups: a peer lost in it leaves every
                     # survivor's state as it was (it is donated to the update alone).
                     try:
-                        sums = self.step.reduce(self.state, stacks, table)
+                        timed = self._tracker is not None  # balancing: own compute time
+                        sums = self.step.reduce(self.state, stacks, table, timed=timed)
                         if self.spanning:  # the next save, agreed by every live process
                             vote = multihost.agree(self.step.mesh, self.ckpt.due(self.t + 1))
                         if fresh:  # compiled; the update compiles next, at its own pace:
@@ -322,6 +327,7 @@ class Trainer(Saving, ProcessLoss, Admission):
                             self._resync = True
                         self._prefetch(self.t + 1)
                         jax.block_until_ready(sums)
+                        self._balance(fresh)
                         if self.spanning:
                             self._agreed_save = bool(host_scalar(vote))
                     finally:  # done or failed, it waits for its peers in the live-set check
@@ -356,24 +362,6 @@ class Trainer(Saving, ProcessLoss, Admission):
             "input_rows": rows,
         }
 
-    def _update(self, sums: tuple[Any, ...], table: Any) -> tuple[Any, dict[str, Any]]:
-        """Apply a completed reduction to this process's replica (multi-process jobs).
-
-        No other group takes part in the update; a non-finite sum is not applied.
-        """
-        grad_sum, loss_sum, finite = sums
-        if not host_scalar(finite):
-            return self.state, {"loss": math.nan, "grad_norm": math.nan, "finite": False}
-        try:
-            state, metrics = self.step.update(self.state, grad_sum, loss_sum, table)
-            jax.block_until_ready(state)
-        except jax.errors.JaxRuntimeError as err:  # the state was donated: it is gone
-            raise errors.Relaunch(
-                f"step {self.t}: the optimizer update failed after the reduction "
-                f"({str(err).splitlines()[0][:160]}); a fresh job resumes from the checkpoint"
-            ) from None
-        return state, {**metrics, "finite": True}
-
     def _input(self, t: int) -> tuple[Any, int]:
         """Step ``t``'s stacks for the step in force and the rows this process read for them."""
         ready, self._next = self._next, None
@@ -407,7 +395,7 @@ class Trainer(Saving, ProcessLoss, Admission):
                     )
             retry = False
             try:
-                table, load = self.step.table(self.failures.alive.copy())
+                table, load = self._table()
             except reorder.Interruption as err:
                 self.rollback(err)
                 continue
