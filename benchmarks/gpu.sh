@@ -10,6 +10,9 @@
 #
 #   bash benchmarks/gpu.sh OUT_DIR      # PYTHON=... to pick the interpreter
 #
+# From the repository's root, with spare_jax and a CUDA build of JAX installed
+# (pip install -e . and jax[cuda]); nothing here needs more than one GPU.
+#
 # Writes only under OUT_DIR: gpu.txt, step.json, state.json and a log per part.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/gpu.sh OUT_DIR}

@@ -589,3 +589,47 @@ def summary(out: str, header: str, parts: dict[str, Rows], gpus: int, replicas: 
     ]
     with cli.replace_file(os.path.join(out, "summary.md")) as f:
         f.write("\n".join(text))
+
+
+def stragglers(rows: Rows, out: str) -> None:
+    """stragglers.{png,csv}: time-to-train vs the fraction of slow groups, per response."""
+    rs = sorted({x["redundancy"] for x in rows})
+    series = [
+        ("wait_h", "C3", "s-", "wait for the slowest group"),
+        ("evict_h", "C1", "D--", "evict the slow groups (masked as dead)"),
+        ("speed_aware_h", "C0", "o-", "SPARe speed-aware assignment"),
+    ]
+
+    def setup(axes):
+        for ax, r in zip(axes, rs, strict=True):
+            sel = [x for x in rows if x["redundancy"] == r and x["slow_fraction"] > 0]
+            pct = [100 * x["slow_fraction"] for x in sel]
+            for key, color, fmt, label in series:
+                ax.plot(pct, [x[key] for x in sel], fmt, color=color, ms=5, lw=1.8, label=label)
+            stuck = [
+                (p, x["wait_h"])
+                for p, x in zip(pct, sel, strict=True)
+                if x["evict_h"] != x["evict_h"]
+            ]
+            if stuck:
+                ax.plot(
+                    *zip(*stuck, strict=True),
+                    "x",
+                    color="C1",
+                    ms=9,
+                    mew=2,
+                    label="evict: a shard has no fast holder left (cannot run)",
+                )
+            base = sel[0]["base_h"]
+            ax.axhline(base, color="k", lw=0.8, label="no stragglers")
+            ax.set_xscale("log")
+            ax.set_xlabel("groups slowed 3x (%)")
+            ax.set_ylabel("time-to-train (hours)")
+            ax.set_title(
+                f"SPARe r = {r}, m = {sel[0]['microbatches']}, "
+                f"{sel[0]['groups']:,} groups ({sel[0]['gpus']:,} GPUs)",
+                fontsize=10,
+            )
+
+    _figure(os.path.join(out, "stragglers.png"), setup, panels=len(rs))
+    write_csv(os.path.join(out, "stragglers.csv"), rows)

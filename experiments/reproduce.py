@@ -37,6 +37,9 @@ Writes under --out, one PNG and one CSV per result:
     then the same under a cap on the global batch (--max_global_batch_tokens,
     default Llama 3 405B's 16M tokens a step), where each m gets the smallest
     groups (whole base groups of the scenario) whose batch fits;
+* stragglers: time-to-train at the largest scale vs the fraction of groups
+    persistently slowed 3x, SPARe r = 2 and 4: waiting for them, evicting them
+    (masked as dead) and the speed-aware assignment (`reorder.makespan`);
 
 and summary.md, the tables docs/results.md quotes (written when every part
 runs; `--parts=headline` regenerates that table alone). Figures and files are
@@ -55,7 +58,7 @@ import numpy as np
 import tqdm
 from absl import app, flags
 
-from spare_jax import analysis, cli, sim, strategies
+from spare_jax import analysis, cli, reorder, sim, strategies
 from spare_jax.analysis import weights
 from spare_jax.scenario import Scenario
 from spare_jax.strategies import Variant
@@ -90,7 +93,8 @@ PARTS = flags.DEFINE_list(
     "parts",
     None,
     "results to compute (default: all, and summary.md): overhead, endurance, availability, "
-    "time_to_train, reduction (needs time_to_train), sensitivity, domains, headline",
+    "time_to_train, reduction (needs time_to_train), sensitivity, domains, headline, "
+    "stragglers",
 )
 
 HOUR = 3600.0
@@ -527,6 +531,72 @@ def headline_rows(settings: Settings, batch: analysis.Batch) -> list[dict]:
     return rows
 
 
+# Stragglers: a fraction of the groups persistently slowed 3x (a throttled GPU or a bad
+# link; our choice, the case benchmarks/stragglers.py measures), random slow sets.
+SLOW_SPEED = 1 / 3
+SLOW_FRACTIONS = (0.0, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+STRAGGLER_R = (2, 4)
+
+
+def straggler_rows(settings: Settings) -> list[dict]:
+    """Time-to-train at the largest scale with a fraction of the groups persistently slow.
+
+    SPARe adaptive at r in `STRAGGLER_R`, m = `REFERENCE_M`, its optimal interval:
+    the closed form's time-to-train without stragglers times the step-time factor
+    of each response to them, the median over random slow sets (slow groups
+    stay slow for the whole run; failures as without them):
+
+    * wait: every step waits for the slowest group, 1 / `SLOW_SPEED`;
+    * evict: the slow groups are masked as dead, the adaptive max load / m; a
+      draw where some shard has no fast holder cannot run (counted, and the
+      factor is missing where any draw cannot);
+    * speed-aware: `reorder.makespan` at the groups' speeds / m.
+    """
+    scenario = _scenario(settings, gpus=settings.gpus[-1])
+    groups, m = scenario.groups, REFERENCE_M
+    rng = np.random.default_rng(settings.seed + 27)
+    draws = 2 if settings.quick else 5
+    rows = []
+    for r in STRAGGLER_R:
+        p = plan(scenario, SPARE, redundancies=(r,), microbatches=(m,))
+        base_h = p.estimate.time_to_train_s / HOUR
+        placement = strategies.placement("spare", groups, r)
+        for fraction in tqdm.tqdm(SLOW_FRACTIONS, desc=f"stragglers r={r}", leave=False):
+            slow_groups = round(fraction * groups)
+            wait, evict, aware = [], [], []
+            for _ in range(draws):
+                speeds = np.ones(groups)
+                speeds[rng.choice(groups, slow_groups, replace=False)] = SLOW_SPEED
+                wait.append(1 / SLOW_SPEED if slow_groups else 1.0)
+                try:
+                    evict.append(reorder.assign(placement, speeds == 1.0, m).max_load / m)
+                except reorder.Interruption:
+                    evict.append(math.nan)
+                aware.append(reorder.makespan(placement, speeds, m) / m)
+            factors = {
+                "wait": float(np.median(wait)),
+                "evict": float(np.median(evict)) if not np.isnan(evict).any() else math.nan,
+                "speed_aware": float(np.median(aware)),
+            }
+            rows.append(
+                {
+                    "gpus": scenario.gpus,
+                    "groups": groups,
+                    "redundancy": r,
+                    "microbatches": m,
+                    "slow_speed": SLOW_SPEED,
+                    "slow_fraction": fraction,
+                    "slow_groups": slow_groups,
+                    "draws": draws,
+                    "evict_cannot_run": float(np.isnan(evict).mean()),
+                    "base_h": base_h,
+                    **{f"{k}_factor": v for k, v in factors.items()},
+                    **{f"{k}_h": base_h * v for k, v in factors.items()},
+                }
+            )
+    return rows
+
+
 PART_NAMES = (
     "overhead",
     "endurance",
@@ -536,6 +606,7 @@ PART_NAMES = (
     "sensitivity",
     "domains",
     "headline",
+    "stragglers",
 )
 
 
@@ -619,6 +690,7 @@ def main(argv: list[str]) -> None:
             lambda s: headline_rows(s, free) + headline_rows(s, capped),
             lambda rows: _figures.headline(rows, out, settings.replicas),
         ),
+        ("stragglers", straggler_rows, lambda rows: _figures.stragglers(rows, out)),
     ]
     steps = [step for step in steps if step[0] in names]
     for name, compute, draw in tqdm.tqdm(steps, desc="reproduce"):

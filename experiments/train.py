@@ -140,6 +140,12 @@ _PRECOMPILE = flags.DEFINE_bool(
     "Multi-process: at start-up, compile the step for every mesh one more process failure "
     "would leave, so that a recovery does not compile.",
 )
+_BALANCE = flags.DEFINE_bool(
+    "balance",
+    False,
+    "Multi-process: measure each process's groups' speed and give slow groups fewer "
+    "micro-batches when that shortens the step (exact; a straggler event says so).",
+)
 
 
 def _config() -> object:
@@ -304,6 +310,7 @@ def _train(run, failures, workdir, config, joined) -> int:
             keep=int(ck.keep),
             warmup_steps=int(ck.warmup_steps),
             precompile_failures=_PRECOMPILE.value,
+            balance=_BALANCE.value,
             on_step=on_step,
             compile_cache=None if _COMPILATION_CACHE.value else False,  # set in _start_jax
         )

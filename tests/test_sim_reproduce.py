@@ -27,6 +27,7 @@ ARTEFACTS = (
     "time_to_train",
     "reduction_vs_replication",
     "headline_by_batch",
+    "stragglers",
 )
 PLAN_ROWS = ("checkpoint_restart", "replication", "spare_fixed", "spare_adaptive")
 
@@ -166,6 +167,23 @@ def _check_sensitivity(rows: list[dict]) -> None:
         assert float(row["spare_closed_form_h"]) >= float(base["spare_closed_form_h"]) * (1 - 1e-9)
 
 
+def _check_stragglers(rows: list[dict]) -> None:
+    """Each response's factor against what it must be: waiting costs 1/s once any group is
+    slow; the speed-aware makespan is never worse than waiting or evicting."""
+    assert {int(r["redundancy"]) for r in rows} == {2, 4}
+    for row in rows:
+        f = {k: float(row[f"{k}_factor"]) for k in ("wait", "evict", "speed_aware")}
+        if int(row["slow_groups"]) == 0:
+            assert f["wait"] == f["evict"] == f["speed_aware"] == 1.0, row
+            continue
+        assert f["wait"] == pytest.approx(1 / float(row["slow_speed"]))
+        assert 1.0 <= f["speed_aware"] <= f["wait"], row
+        if not math.isnan(f["evict"]):
+            assert f["speed_aware"] <= f["evict"] + 1e-9, row
+        base = float(row["base_h"])
+        assert float(row["speed_aware_h"]) == pytest.approx(base * f["speed_aware"])
+
+
 @pytest.mark.slow
 def test_reproduce_quick_writes_results_that_hold_with_plan_cli_plans(tmp_path):
     """--quick into the default --out (runs/reproduce under the working directory)."""
@@ -187,6 +205,7 @@ def test_reproduce_quick_writes_results_that_hold_with_plan_cli_plans(tmp_path):
     ttt = _check_time_to_train(_csv(str(out / "time_to_train.csv")), work_hours=48.0)
     _check_reduction(_csv(str(out / "reduction_vs_replication.csv")), ttt)
     _check_sensitivity(_csv(str(out / "sensitivity.csv")))
+    _check_stragglers(_csv(str(out / "stragglers.csv")))
     # --quick: 48 h of work at 9,600 and 96,000 GPUs.
     rows = list(ttt[96_000].values())
     _assert_same_plans(rows, _plan_json("--gpus=96000", "--work_hours=48"))
@@ -337,3 +356,10 @@ def test_docs_quote_the_generated_headline_table():
         assert line in summary and line in results, line
     for line in rows[:6]:  # the README shows the table without a cap
         assert line in readme, line
+
+
+def test_committed_stragglers_hold():
+    """docs/results/stragglers.csv (--parts=stragglers) obeys what each response must give."""
+    rows = _csv(os.path.join(RESULTS, "stragglers.csv"))
+    _check_stragglers(rows)
+    assert {int(r["groups"]) for r in rows} == {75_000}

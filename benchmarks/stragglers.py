@@ -1,0 +1,205 @@
+"""A slow worker, with and without SPARe's speed-aware assignment (`fit(..., balance=True)`).
+
+    sudo python benchmarks/stragglers.py               # 3 repeats (a few minutes on 2 cores)
+    python benchmarks/stragglers.py --repeats=1 --steps=40 --slow=3
+
+Every case is a real job of `experiments/launch.py`: 4 worker processes of 2
+CPU devices (one group each, r = 2), the LM of `configs/lm_tiny.py` (smoke
+size). Side by side in each repeat, in a rotating order:
+
+* **failure-free**: no worker slowed;
+* **slowed, waited on**: once the job reaches step 2, worker 2 is put in a
+  CPU cgroup whose quota is ``1/--slow`` of its fair share of this
+  machine's cores (cores / 4), from outside, as a throttled host runs: the
+  step waits for it (today's behaviour without ``--balance``);
+* **slowed, balanced**: the same with ``--balance``: the processes measure
+  their own compute speed, share it every 5 steps, and move micro-batches
+  off the slow group when that shortens the step.
+
+Printed, medians over ``--repeats``: the median step time over the second
+half of each run (after the balanced job has switched), its ratio to the
+failure-free step, the max load then, and the step of the first
+``straggler`` event. The cgroup needs root and the cpu controller (cgroup v1
+or v2); without them the script says so and stops. ``--out`` keeps the runs
+and a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+from spare_jax import cli
+from spare_jax.runlog import read_records
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of each case.", lower_bound=1, upper_bound=20)
+_STEPS = flags.DEFINE_integer("steps", 60, "Steps per job.", lower_bound=20)
+_SLOW = flags.DEFINE_float("slow", 3.0, "The slowed worker gets 1/SLOW of its fair CPU share.")
+_OUT = flags.DEFINE_string("out", "", "Directory for the runs and stragglers.json (optional).")
+
+CASES = (
+    ("failure-free", False, []),
+    ("slowed, waited on", True, []),
+    ("slowed, balanced", True, ["--balance"]),
+)
+VICTIM = 2
+PROCESSES = 4
+
+
+class CpuQuota:
+    """A CPU cgroup of ``cores`` cores' quota (v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``)."""
+
+    def __init__(self, name: str, cores: float):
+        v2 = pathlib.Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        base = pathlib.Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu")
+        self.path = base / name
+        period = 100_000
+        quota = max(1000, int(cores * period))
+        try:
+            self.path.mkdir(exist_ok=True)
+            if v2:
+                (self.path / "cpu.max").write_text(f"{quota} {period}\n")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(f"{period}\n")
+                (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        except OSError as err:
+            raise app.UsageError(
+                f"cannot set a CPU quota in {self.path} ({err.strerror}): this benchmark needs "
+                "root and the cgroup cpu controller"
+            ) from None
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(f"{pid}\n")  # the whole process, every thread
+
+    def remove(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)  # its processes are still leaving
+
+
+def _worker_pid(workdir: str, process: int) -> int | None:
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"--workdir={workdir}" in cmdline and "train.py" in cmdline:
+            if f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
+                return int(entry.name)
+    return None
+
+
+def _steps(workdir: str) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    return read_records(path) if os.path.exists(path) else []
+
+
+def _run(workdir: str, slowed: bool, args: list[str], quota: CpuQuota | None) -> dict:
+    cmd = [
+        sys.executable,
+        str(ROOT / "experiments" / "launch.py"),
+        f"--processes={PROCESSES}",
+        f"--workdir={workdir}",
+        "--config=configs/lm_tiny.py:smoke",
+        f"--steps={_STEPS.value}",
+        "--checkpoint_steps=1000",
+        *args,
+    ]
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "launcher.err"), "w", encoding="utf-8") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            if slowed:
+                deadline = time.monotonic() + 600
+                while not any(r.get("step", -1) >= 2 for r in _steps(workdir) if "loss" in r):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the job in {workdir} ended before step 2")
+                    time.sleep(0.01)
+                pid = _worker_pid(workdir, VICTIM)
+                if pid is None:
+                    raise RuntimeError(f"worker {VICTIM} of {workdir} not found")
+                quota.add(pid)
+            proc.wait(timeout=1800)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the job in {workdir} failed with status {proc.returncode}")
+    records = _steps(workdir)
+    last = {r["step"]: r for r in records if "loss" in r}
+    late = [last[t] for t in sorted(last) if t >= _STEPS.value // 2]
+    events = [r for r in records if r.get("event") == "straggler"]
+    return {
+        "step_s": statistics.median(r["step_time_s"] for r in late),
+        "max_load": statistics.median(r["max_load"] for r in late),
+        "straggler_step": events[0]["step"] if events else None,
+    }
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    keep = cli.output_dir("out", _OUT.value) if _OUT.value else None
+    if _SLOW.value <= 1:
+        raise app.UsageError(f"--slow must be > 1, got {_SLOW.value}")
+    base = keep or tempfile.mkdtemp(prefix="spare_stragglers_")
+    cores = (os.cpu_count() or 1) / PROCESSES / _SLOW.value
+    quota = CpuQuota(f"spare_jax_straggler_{os.getpid()}", cores)
+    print(
+        f"{PROCESSES} workers x 2 CPU devices on {os.cpu_count()} cores; worker {VICTIM} "
+        f"slowed to {cores:.3f} cores (1/{_SLOW.value:g} of its share) from step 2; "
+        f"{_STEPS.value} steps, figures over the second half; medians of {_REPEATS.value}",
+        flush=True,
+    )
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in CASES}
+    try:
+        for rep in range(_REPEATS.value):
+            order = CASES[rep % len(CASES) :] + CASES[: rep % len(CASES)]
+            for name, slowed, args in order:
+                workdir = os.path.join(base, f"{name.split(',')[-1].strip()}-{rep}")
+                row = _run(workdir, slowed, args, quota)
+                results[name].append(row)
+                print(f"  {name} #{rep}: {row}", flush=True)
+    finally:
+        quota.remove()
+    free = statistics.median(r["step_s"] for r in results["failure-free"])
+    print(f"\n{'case':>20} {'step s':>8} {'/ free':>7} {'max load':>9} {'straggler at':>13}")
+    summary = {}
+    for name, rows in results.items():
+        step_s = statistics.median(r["step_s"] for r in rows)
+        seen = [r["straggler_step"] for r in rows if r["straggler_step"] is not None]
+        summary[name] = {
+            "step_s": step_s,
+            "over_free": step_s / free,
+            "max_load": statistics.median(r["max_load"] for r in rows),
+            "straggler_steps": seen,
+            "runs": rows,
+        }
+        at = ",".join(map(str, seen)) or "-"
+        print(
+            f"{name:>20} {step_s:8.4f} {step_s / free:7.2f} "
+            f"{summary[name]['max_load']:9.1f} {at:>13}"
+        )
+    if keep:
+        with open(os.path.join(keep, "stragglers.json"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "slow": _SLOW.value, **summary}) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
