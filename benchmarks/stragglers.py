@@ -45,6 +45,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of each case.", lower_bound=1, upper_bound=20)
 _STEPS = flags.DEFINE_integer("steps", 60, "Steps per job.", lower_bound=20)
 _SLOW = flags.DEFINE_float("slow", 3.0, "The slowed worker gets 1/SLOW of its fair CPU share.")
+_MICROBATCHES = flags.DEFINE_integer(
+    "microbatches", 2, "m: micro-batches per group (the config's 2 by default).", lower_bound=1
+)
 _OUT = flags.DEFINE_string("out", "", "Directory for the runs and stragglers.json (optional).")
 
 CASES = (
@@ -99,9 +102,9 @@ def _worker_pid(workdir: str, process: int) -> int | None:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"--workdir={workdir}" in cmdline and "train.py" in cmdline:
-            if f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
-                return int(entry.name)
+        mine = f"--workdir={workdir}" in cmdline and "train.py" in cmdline
+        if mine and f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
+            return int(entry.name)
     return None
 
 
@@ -118,6 +121,7 @@ def _run(workdir: str, slowed: bool, args: list[str], quota: CpuQuota | None) ->
         f"--workdir={workdir}",
         "--config=configs/lm_tiny.py:smoke",
         f"--steps={_STEPS.value}",
+        f"--microbatches={_MICROBATCHES.value}",
         "--checkpoint_steps=1000",
         *args,
     ]
@@ -164,7 +168,8 @@ def main(argv: list[str]) -> None:
     print(
         f"{PROCESSES} workers x 2 CPU devices on {os.cpu_count()} cores; worker {VICTIM} "
         f"slowed to {cores:.3f} cores (1/{_SLOW.value:g} of its share) from step 2; "
-        f"{_STEPS.value} steps, figures over the second half; medians of {_REPEATS.value}",
+        f"m = {_MICROBATCHES.value}; {_STEPS.value} steps, figures over the second half; "
+        f"medians of {_REPEATS.value}",
         flush=True,
     )
     results: dict[str, list[dict]] = {name: [] for name, _, _ in CASES}

@@ -19,7 +19,8 @@ survivors), `incremental` (per-failure load updates). The model of a cluster:
 table), `train_step` (the step and `make_train_step`), `inputs` (what each process
 reads: the global batch or only its own units' rows). Fault tolerance:
 `fitting` (`fit`), `trainer` (the one owner of a run; its parts `saving`, `recovery`,
-`admission`), `domains` (the multi-process step split by failure domain),
+`admission`, `balancing` (slow groups given fewer micro-batches)), `domains` (the
+multi-process step split by failure domain),
 `broadcast` (one group's state to others over the devices, for a re-join),
 `compile_cache` (JAX's persistent compilation cache), `liveness` (simulated failures and
 re-joins), `checkpoint` (Orbax at the model's interval), `digest` (a checkpoint's
