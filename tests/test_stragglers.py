@@ -2,8 +2,8 @@
 
 `experiments/regression.py --balance` runs as 4 worker processes of 2 CPU
 devices (one group each, r = 2, m = 2). From step 3 the test stops and
-continues worker 1 in a duty cycle (SIGSTOP 60 ms, SIGCONT 30 ms: about a
-third of its speed), as a throttled host would run, until the job reports a
+continues worker 1 in a duty cycle (SIGSTOP 80 ms, SIGCONT 20 ms: about a
+fifth of its speed), as a throttled host would run, until the job reports a
 ``straggler`` event. Then: the event names group 1 and gives it fewer
 slots (every micro-batch still walked once), no worker was lost, and every
 leaf of every worker's final parameters equals a single-device `jax.grad`
@@ -23,18 +23,28 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = 100  # windows enough for a busy CI machine's noisy timings to agree
 
 
 def _duty_cycle(pid: int, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.06)
+            time.sleep(0.08)
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             return
-        time.sleep(0.03)
+        time.sleep(0.02)
+
+
+def _naming(workdir, group: int) -> list[dict]:
+    """The ``straggler`` events that name ``group`` and take slots off it (noise on a
+    shared machine may also make another group look slow for a window)."""
+    return [
+        e
+        for e in lj.events(workdir, "straggler")
+        if e["group"] == group and e["walked_after"][group] < e["walked_before"][group]
+    ]
 
 
 def test_a_slowed_worker_is_given_less_work_and_the_run_stays_exact(tmp_path):
@@ -50,7 +60,7 @@ def test_a_slowed_worker_is_given_less_work_and_the_run_stays_exact(tmp_path):
         pid = lj.pids_of(workdir)[1]
         slowing = threading.Thread(target=_duty_cycle, args=(pid, stop), daemon=True)
         slowing.start()
-        job.wait_for(lambda: lj.events(workdir, "straggler"), timeout=180, what="a straggler event")
+        job.wait_for(lambda: _naming(workdir, 1), timeout=240, what="a straggler event naming 1")
         stop.set()
         slowing.join(timeout=5)
         code = job.finish()
@@ -63,7 +73,7 @@ def test_a_slowed_worker_is_given_less_work_and_the_run_stays_exact(tmp_path):
                 pass
         job.close()
     assert code == 0, job.output()[-3000:]
-    first = lj.events(workdir, "straggler")[0]
+    first = _naming(workdir, 1)[0]
     assert first["group"] == 1 and first["speed"] < 1.0, first
     assert first["walked_after"][1] < first["walked_before"][1], first
     assert sum(first["walked_after"]) == sum(first["walked_before"]) == 4 * 2  # G * m, once
