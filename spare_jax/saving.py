@@ -150,7 +150,8 @@ class Saving:
             write_s=round(saved.write_s, 6),
         )
         self.interval.saves.append(saved.write_s)
-        if self.interval.update(self.step_times):
+        first = not self.interval.figures  # the first derivation is logged even if unchanged
+        if self.interval.update(self.step_times) or (first and self.interval.figures):
             self._log_interval()
 
     def _log_interval(self) -> None:
