@@ -66,6 +66,7 @@ import tempfile
 import time
 
 from absl import app, flags
+from jobs import worker_pid  # benchmarks/jobs.py: this script's directory is on sys.path
 
 from spare_jax import cli
 from spare_jax.runlog import read_records
@@ -137,23 +138,6 @@ def _run(workdir: str, args: list[str], kills: list[str], kill_step: int) -> lis
     return read_records(os.path.join(workdir, "metrics.jsonl"))
 
 
-def _worker_pid(workdir: str, process: int) -> int:
-    """The pid of worker ``process`` of the job in ``workdir`` (found through /proc)."""
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        script = "train.py" in cmdline or "regression.py" in cmdline
-        mine = f"--workdir={workdir}" in cmdline and script
-        if mine and f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
-            return int(entry.name)
-    raise RuntimeError(f"no worker {process} of {workdir} found")
-
-
 def _outside(
     workdir: str, args: list[str], kills: list[str], act, cmd: list[str] | None = None
 ) -> tuple[list[dict], dict]:
@@ -194,7 +178,7 @@ def _note_kill(workdir: str, process: int) -> None:
 
 def _hang(proc, workdir: str, err_path: str) -> dict:
     _wait_for(proc, _reached(workdir, _STEPS.value // 2))
-    pid = _worker_pid(workdir, 2)
+    pid = worker_pid(workdir, 2)
     _note_kill(workdir, 2)
     os.kill(pid, signal.SIGSTOP)
     return {}
@@ -202,7 +186,7 @@ def _hang(proc, workdir: str, err_path: str) -> dict:
 
 def _second_kill(proc, workdir: str, err_path: str) -> dict:
     _wait_for(proc, lambda: "declared dead" in pathlib.Path(err_path).read_text())
-    pid = _worker_pid(workdir, 3)
+    pid = worker_pid(workdir, 3)
     _note_kill(workdir, 3)
     at = time.time()
     os.kill(pid, signal.SIGKILL)
@@ -251,7 +235,7 @@ def _figures(records: list[dict], expect_relaunch: bool) -> dict[str, float]:
 
 def _rejoin_kill(proc, workdir: str, err_path: str) -> dict:
     _wait_for(proc, _reached(workdir, _STEPS.value // 2))
-    pid = _worker_pid(workdir, 2)
+    pid = worker_pid(workdir, 2)
     _note_kill(workdir, 2)
     os.kill(pid, signal.SIGKILL)
     path = os.path.join(workdir, "metrics.jsonl")
@@ -325,7 +309,7 @@ def _single_kill(victim: int):
 
     def act(proc, workdir: str, err_path: str) -> dict:
         _wait_for(proc, _reached(workdir, NEIGHBOUR_STEPS // 2))
-        pid = _worker_pid(workdir, victim)
+        pid = worker_pid(workdir, victim)
         _note_kill(workdir, victim)
         os.kill(pid, signal.SIGKILL)
         return {"load_at_kill": os.getloadavg()[0]}

@@ -1,20 +1,30 @@
 """A slow worker, with and without SPARe's speed-aware assignment (`fit(..., balance=True)`).
 
-    sudo python benchmarks/stragglers.py               # 3 repeats (a few minutes on 2 cores)
+    sudo python benchmarks/stragglers.py               # 3 repeats (about 30 minutes on 2 cores)
     python benchmarks/stragglers.py --repeats=1 --steps=40 --slow=3
 
 Every case is a real job of `experiments/launch.py`: 4 worker processes of 2
-CPU devices (one group each, r = 2), the LM of `configs/lm_tiny.py` (smoke
-size). Side by side in each repeat, in a rotating order:
+CPU devices (one group each, r = 2, m = 8), the LM of `configs/lm_tiny.py`
+with ``--batch`` sequences of ``--seq_len`` tokens per micro-batch, sized so
+that computing the micro-batches is most of a step, as on an accelerator
+(the smoke model's step is all fixed cost, which no assignment can move).
+Side by side in each repeat, in a rotating order:
 
 * **failure-free**: no worker slowed;
 * **slowed, waited on**: once the job reaches step 2, worker 2 is put in a
   CPU cgroup whose quota is ``1/--slow`` of its fair share of this
-  machine's cores (cores / 4), from outside, as a throttled host runs: the
-  step waits for it (today's behaviour without ``--balance``);
+  machine's cores (cores / 4), from outside, as a throttled host runs (a
+  20 ms period, so that the hold is smooth at the step's scale): the step
+  waits for it (the behaviour without ``--balance``);
 * **slowed, balanced**: the same with ``--balance``: the processes measure
   their own compute speed, share it every 5 steps, and move micro-batches
-  off the slow group when that shortens the step.
+  off the slow group when that shortens the step;
+* **failure-free, m = 1**: one micro-batch per group, to split the step into
+  its fixed part F (update, collectives, host work: what a slow worker still
+  does slowly whatever it is given) and c per micro-batch, by the two
+  failure-free cases. From them the bound of the balanced step: a worker
+  ``--slow`` times slower at ``k`` micro-batches with the others at the new
+  max load, ``max(slow (F + k c), F + max_load c)``, over ``F + m c``.
 
 Printed, medians over ``--repeats``: the median step time over the second
 half of each run (after the balanced job has switched), its ratio to the
@@ -36,6 +46,7 @@ import tempfile
 import time
 
 from absl import app, flags
+from jobs import worker_pid  # benchmarks/jobs.py: this script's directory is on sys.path
 
 from spare_jax import cli
 from spare_jax.runlog import read_records
@@ -46,14 +57,17 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of each case.", lower_bound=
 _STEPS = flags.DEFINE_integer("steps", 60, "Steps per job.", lower_bound=20)
 _SLOW = flags.DEFINE_float("slow", 3.0, "The slowed worker gets 1/SLOW of its fair CPU share.")
 _MICROBATCHES = flags.DEFINE_integer(
-    "microbatches", 2, "m: micro-batches per group (the config's 2 by default).", lower_bound=1
+    "microbatches", 8, "m: micro-batches per group.", lower_bound=2
 )
+_BATCH = flags.DEFINE_integer("batch", 16, "Sequences per micro-batch.", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.", lower_bound=2)
 _OUT = flags.DEFINE_string("out", "", "Directory for the runs and stragglers.json (optional).")
 
 CASES = (
     ("failure-free", False, []),
     ("slowed, waited on", True, []),
     ("slowed, balanced", True, ["--balance"]),
+    ("failure-free, m = 1", False, ["--microbatches=1"]),
 )
 VICTIM = 2
 PROCESSES = 4
@@ -66,7 +80,7 @@ class CpuQuota:
         v2 = pathlib.Path("/sys/fs/cgroup/cgroup.controllers").exists()
         base = pathlib.Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu")
         self.path = base / name
-        period = 100_000
+        period = 20_000
         quota = max(1000, int(cores * period))
         try:
             self.path.mkdir(exist_ok=True)
@@ -93,21 +107,6 @@ class CpuQuota:
                 time.sleep(0.1)  # its processes are still leaving
 
 
-def _worker_pid(workdir: str, process: int) -> int | None:
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        mine = f"--workdir={workdir}" in cmdline and "train.py" in cmdline
-        if mine and f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
-            return int(entry.name)
-    return None
-
-
 def _steps(workdir: str) -> list[dict]:
     path = os.path.join(workdir, "metrics.jsonl")
     return read_records(path) if os.path.exists(path) else []
@@ -119,10 +118,15 @@ def _run(workdir: str, slowed: bool, args: list[str], quota: CpuQuota | None) ->
         str(ROOT / "experiments" / "launch.py"),
         f"--processes={PROCESSES}",
         f"--workdir={workdir}",
-        "--config=configs/lm_tiny.py:smoke",
+        "--config=configs/lm_tiny.py",
+        f"--config.batch={_BATCH.value}",
+        f"--config.model.seq_len={_SEQ_LEN.value}",
         f"--steps={_STEPS.value}",
         f"--microbatches={_MICROBATCHES.value}",
         "--checkpoint_steps=1000",
+        # The launcher's 2 s CPU collective timeout is for quick detection in tests;
+        # a throttled worker lags its peers' collective by a few seconds a step.
+        "--collective_timeout_s=60",
         *args,
     ]
     os.makedirs(workdir, exist_ok=True)
@@ -135,10 +139,7 @@ def _run(workdir: str, slowed: bool, args: list[str], quota: CpuQuota | None) ->
                     if proc.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"the job in {workdir} ended before step 2")
                     time.sleep(0.01)
-                pid = _worker_pid(workdir, VICTIM)
-                if pid is None:
-                    raise RuntimeError(f"worker {VICTIM} of {workdir} not found")
-                quota.add(pid)
+                quota.add(worker_pid(workdir, VICTIM))
             proc.wait(timeout=1800)
         finally:
             if proc.poll() is None:
@@ -147,6 +148,9 @@ def _run(workdir: str, slowed: bool, args: list[str], quota: CpuQuota | None) ->
     if proc.returncode != 0:
         raise RuntimeError(f"the job in {workdir} failed with status {proc.returncode}")
     records = _steps(workdir)
+    broken = [r["event"] for r in records if r.get("event") in ("relaunch", "process_failure")]
+    if broken:
+        raise RuntimeError(f"the job in {workdir} lost its workers ({broken}): no figure from it")
     last = {r["step"]: r for r in records if "loss" in r}
     late = [last[t] for t in sorted(last) if t >= _STEPS.value // 2]
     events = [r for r in records if r.get("event") == "straggler"]
@@ -154,6 +158,7 @@ def _run(workdir: str, slowed: bool, args: list[str], quota: CpuQuota | None) ->
         "step_s": statistics.median(r["step_time_s"] for r in late),
         "max_load": statistics.median(r["max_load"] for r in late),
         "straggler_step": events[0]["step"] if events else None,
+        "slow_group_load": events[-1]["walked_after"][VICTIM] if events else None,
     }
 
 
@@ -200,6 +205,25 @@ def main(argv: list[str]) -> None:
         print(
             f"{name:>20} {step_s:8.4f} {step_s / free:7.2f} "
             f"{summary[name]['max_load']:9.1f} {at:>13}"
+        )
+    free1 = summary["failure-free, m = 1"]["step_s"]
+    m = _MICROBATCHES.value
+    per_mb = (free - free1) / (m - 1)
+    fixed = free1 - per_mb
+    loads = [r["slow_group_load"] for r in results["slowed, balanced"] if r["slow_group_load"]]
+    print(
+        f"\nfixed part of a step F = {fixed:.4f} s, c = {per_mb:.4f} s per micro-batch "
+        f"(movable: {m * per_mb / free:.0%} of the failure-free step)"
+    )
+    if loads:
+        k = statistics.median(loads)
+        max_load = summary["slowed, balanced"]["max_load"]
+        bound = max(_SLOW.value * (fixed + k * per_mb), fixed + max_load * per_mb) / free
+        summary["bound"] = {"fixed_s": fixed, "per_microbatch_s": per_mb, "over_free": bound}
+        print(
+            f"balanced bound at the slow group's {k:g} micro-batches and max load "
+            f"{max_load:g}: {bound:.2f} x failure-free (measured "
+            f"{summary['slowed, balanced']['over_free']:.2f})"
         )
     if keep:
         with open(os.path.join(keep, "stragglers.json"), "a", encoding="utf-8") as f:

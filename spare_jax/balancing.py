@@ -9,10 +9,15 @@ neighbours that hold the same shards, each micro-batch still computed once
 
 In a multi-process job (``fit(..., balance=True)``):
 
-1. Each process times its own failure domain's gradients program every step
-   (`SpareStep.reduce` with ``timed=True``): the slots its busiest group
-   walked over the seconds it took, its throughput, summed over a window of
-   `SpeedTracker.window` steps.
+1. Each process times its own part of every step: the step's seconds less
+   the time it waited for its peers in the cross-group reduction (from its
+   gradients being ready, `SpareStep.reduce` with ``timed=True``, to the sums
+   being ready, less the next step's input read meanwhile). Its throughput is
+   the slots its busiest group walked over those seconds, summed over a
+   window of `SpeedTracker.window` steps. A fixed cost per step (the update,
+   host work) is thus counted at the process's own pace: a worker slowed as
+   a whole is given fewer micro-batches until the own times are even, which
+   is what the step waits for.
 2. At the end of each window the live processes share their throughputs in
    one tiny collective (`share`, inside the step's live-set block), so every
    process holds the same figures.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import jax
@@ -143,10 +149,12 @@ def share(mesh: Mesh, mine: np.ndarray) -> np.ndarray:
 class Balancing:
     """Speed-aware tables for a multi-process `Trainer` (its state: the attributes below).
 
-    Reads ``self.step``, ``self.failures``, ``self.t``, ``self.log``; keeps
+    Reads ``self.step``, ``self.failures``, ``self.t``, ``self.log`` and
+    ``self._prefetch_s`` (the seconds of the latest input read); keeps
     ``_tracker`` (None: balancing off), ``_speeds``, ``_window`` (slots and
-    seconds this process measured since the last share) and ``_balanced_for``
-    (the step the tracker's figures belong to).
+    own seconds this process measured since the last share), ``_waited``
+    (the current step's wait for its peers; None: not to be counted) and
+    ``_balanced_for`` (the step the tracker's figures belong to).
     """
 
     def _table(self) -> tuple[Any, int]:
@@ -155,22 +163,20 @@ class Balancing:
             # A new live set (a loss, a re-join): every process starts afresh, alike.
             self._tracker = dataclasses.replace(self._tracker, rates=None)
             self._speeds, self._window, self._balanced_for = None, [0.0, 0.0], self.step
+            self._waited = None
         return self.step.table(self.failures.alive.copy(), self._speeds)
 
     def _balance(self, fresh: bool) -> None:
-        """After step ``t``'s reduction (inside the live-set block): measure, and share."""
+        """After step ``t``'s reduction (inside the live-set block): its wait, and a share."""
         if self._tracker is None or self.step.domain is None:
             return
-        rows = self.step.domain.rows
-        busiest = int(self.step.walked[rows].max())
-        if not fresh and busiest > 0 and self.step.compute_s:
-            self._window[0] += busiest
-            self._window[1] += self.step.compute_s
+        waited = time.perf_counter() - (self.step.computed_at or 0.0) - self._prefetch_s
+        self._waited = None if fresh or self.step.computed_at is None else max(waited, 0.0)
         if (self.t + 1) % self._tracker.window:
             return
         mine = np.zeros(self.step.groups)
         if self._window[1] > 0:
-            mine[rows] = self._window[0] / self._window[1]
+            mine[self.step.domain.rows] = self._window[0] / self._window[1]
         self._window = [0.0, 0.0]
         self._tracker.observe(share(self.step.mesh, mine))
         alive = self.failures.alive.copy()
@@ -180,7 +186,7 @@ class Balancing:
         )
         if speeds is self._speeds:
             return
-        self._speeds = speeds
+        self._speeds, self._waited = speeds, None  # step t ran the old table: not counted
         if speeds is None:
             self.log.event("balanced", step=self.t + 1)
             return
@@ -196,6 +202,16 @@ class Balancing:
             walked_before=walked.tolist(),
             walked_after=self.step.walked.tolist(),
         )
+
+    def _busy(self, step_s: float) -> None:
+        """Step ``t`` took ``step_s``: add its own part (less its wait) to the window."""
+        if self._tracker is None or self._waited is None or self.step.domain is None:
+            return
+        busiest = int(self.step.walked[self.step.domain.rows].max())
+        if busiest > 0 and step_s > self._waited:
+            self._window[0] += busiest
+            self._window[1] += step_s - self._waited
+        self._waited = None
 
     def _update(self, sums: tuple[Any, ...], table: Any) -> tuple[Any, dict[str, Any]]:
         """Apply a completed reduction to this process's replica (multi-process jobs).

@@ -360,6 +360,7 @@ class SpareStep:
         # the seconds of this process's gradients program in the latest timed `reduce`.
         self.walked = np.zeros(self.groups, np.int32)
         self.compute_s: float | None = None
+        self.computed_at: float | None = None  # when they were ready (perf_counter)
         self._walks: dict[bytes, np.ndarray] = {}
         self._tables: collections.OrderedDict[bytes, tuple[slots.Slots, int]] = (
             collections.OrderedDict()
@@ -655,7 +656,8 @@ class SpareStep:
                 mine = self.domain.gradients(state.params, stacks, table)
                 if timed:
                     jax.block_until_ready(mine)
-                    self.compute_s = time.perf_counter() - start
+                    self.computed_at = time.perf_counter()
+                    self.compute_s = self.computed_at - start
                 return self.domain.cross(self.mesh, [mine])
             return self._program("reduce", state)(state, stacks, table)
 

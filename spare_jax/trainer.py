@@ -46,6 +46,7 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from spare_jax import checkpoint as ckpt_lib
 from spare_jax import (
     compile_cache,
+    errors,
     fingerprint,
     inputs,
     liveness,
@@ -207,6 +208,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         self._next: tuple[Any, int, Any, int] | None = None  # a prefetched step's input
         self._tracker = SpeedTracker(step.groups) if balance and self.multi else None
         self._speeds, self._window, self._balanced_for = None, [0.0, 0.0], self.step
+        self._waited, self._prefetch_s = None, 0.0
 
     # ------------------------------------------------------------------ roles
 
@@ -345,6 +347,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         t2 = time.perf_counter()
         if self.t > 0:  # step 0 compiles
             self.step_times.append(t2 - t0)
+        self._busy(t2 - t1)
         self.last_loss = float(metrics["loss"])
         return {
             "step": self.t,
@@ -374,7 +377,9 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
     def _prefetch(self, t: int) -> None:
         """Read step ``t``'s input ahead (while the device runs the step before it)."""
         if t < self.total:
+            start = time.perf_counter()
             stacks, rows = inputs.load(self.step, self.batches, t)
+            self._prefetch_s = time.perf_counter() - start
             self.input_rows += rows
             self._next = (self.step, t, stacks, rows)
 
@@ -409,8 +414,14 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
             except jax.errors.JaxRuntimeError as err:
                 # Every process alive, yet a collective failed (a peer slower than the
                 # CPU collective timeout): all of them saw it; retry the same step.
-                if not self.multi or self._transient >= _TRANSIENT_RETRIES:
+                if not self.multi:
                     raise
+                if self._transient >= _TRANSIENT_RETRIES:
+                    raise errors.Relaunch(
+                        f"step {self.t}: collectives failed {self._transient + 1} times with "
+                        "every process alive: a worker lags its peers past the CPU collective "
+                        "timeout (collective_timeout_s; a slow worker needs a longer one)"
+                    ) from err
                 self._transient += 1
                 runlog.notice(
                     f"step {self.t}: a collective failed with every process alive "
