@@ -10,9 +10,10 @@ neighbours that hold the same shards, each micro-batch still computed once
 In a multi-process job (``fit(..., balance=True)``):
 
 1. Each process times its own part of every step: the step's seconds less
-   the time it waited for its peers in the cross-group reduction (from its
+   the time it waited for its peers, in the cross-group reduction (from its
    gradients being ready, `SpareStep.reduce` with ``timed=True``, to the sums
-   being ready, less the next step's input read meanwhile). Its throughput is
+   being ready, less the next step's input read meanwhile) and at the exit
+   of the step's live-set block (a barrier of the live processes). Its throughput is
    the slots its busiest group walked over those seconds, summed over a
    window of `SpeedTracker.window` steps. A fixed cost per step (the update,
    host work) is thus counted at the process's own pace: a worker slowed as
@@ -34,9 +35,11 @@ tracker afresh on every process, with equal speeds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -152,8 +155,9 @@ class Balancing:
     Reads ``self.step``, ``self.failures``, ``self.t``, ``self.log`` and
     ``self._prefetch_s`` (the seconds of the latest input read); keeps
     ``_tracker`` (None: balancing off), ``_speeds``, ``_window`` (slots and
-    own seconds this process measured since the last share), ``_waited``
-    (the current step's wait for its peers; None: not to be counted) and
+    own seconds this process measured since the last share), ``_barrier_s``
+    (how long the latest live-set block's exit waited), ``_waited`` (the
+    current step's wait for its peers; None: not to be counted) and
     ``_balanced_for`` (the step the tracker's figures belong to).
     """
 
@@ -165,6 +169,14 @@ class Balancing:
             self._speeds, self._window, self._balanced_for = None, [0.0, 0.0], self.step
             self._waited = None
         return self.step.table(self.failures.alive.copy(), self._speeds)
+
+    @contextlib.contextmanager
+    def _barrier_timed(self, block: Any) -> Iterator[Any]:
+        """``block`` (the step's live-set block), keeping how long its exit waited for peers."""
+        with block as live:
+            yield live
+            start = time.perf_counter()
+        self._barrier_s = time.perf_counter() - start
 
     def _balance(self, fresh: bool) -> None:
         """After step ``t``'s reduction (inside the live-set block): its wait, and a share."""
@@ -204,13 +216,14 @@ class Balancing:
         )
 
     def _busy(self, step_s: float) -> None:
-        """Step ``t`` took ``step_s``: add its own part (less its wait) to the window."""
+        """Step ``t`` took ``step_s``: add its own part (less its waits) to the window."""
         if self._tracker is None or self._waited is None or self.step.domain is None:
             return
         busiest = int(self.step.walked[self.step.domain.rows].max())
-        if busiest > 0 and step_s > self._waited:
+        own = step_s - self._waited - self._barrier_s
+        if busiest > 0 and own > 0:
             self._window[0] += busiest
-            self._window[1] += step_s - self._waited
+            self._window[1] += own
         self._waited = None
 
     def _update(self, sums: tuple[Any, ...], table: Any) -> tuple[Any, dict[str, Any]]:

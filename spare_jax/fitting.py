@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from absl import logging as absl_logging
 
-from spare_jax import checks, inputs, liveness, testing
+from spare_jax import checks, inputs, liveness, runlog, testing
 from spare_jax import compile_cache as cache_lib
 from spare_jax import train_step as step_lib
 from spare_jax.trainer import Trainer
@@ -273,6 +273,11 @@ def fit(
     max_rollbacks = checks.integer("max_rollbacks", max_rollbacks, low=0)
     gpu_mtbf_hours = checks.number("gpu_mtbf_hours", gpu_mtbf_hours, low=0.0, low_open=True)
     cache = _cache_setting(compile_cache)
+    if balance and jax.process_count() == 1:
+        runlog.notice(
+            "balance=True is off in a one-process job: one program runs all of its groups, "
+            "so their speeds cannot be timed apart (it needs a job of several processes)"
+        )
     first_rows = _check_first_batch(step, batches)  # every argument checked: now the files
     workdir = _workdir(workdir)
     with _compile_cache(cache, workdir):  # before the trainer compiles anything

@@ -208,7 +208,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         self._next: tuple[Any, int, Any, int] | None = None  # a prefetched step's input
         self._tracker = SpeedTracker(step.groups) if balance and self.multi else None
         self._speeds, self._window, self._balanced_for = None, [0.0, 0.0], self.step
-        self._waited, self._prefetch_s = None, 0.0
+        self._waited, self._prefetch_s, self._barrier_s = None, 0.0, 0.0
 
     # ------------------------------------------------------------------ roles
 
@@ -310,7 +310,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
             self._at("compile" if fresh else "step")  # a first run compiles: busy, not stuck
             if not self.step.compiled():  # before the block: peers compile at their own pace,
                 self.step.precompile(self.state, stacks)  # the block's entry waits for all
-            with live_devices(self._all) as live:
+            with self._barrier_timed(live_devices(self._all)) as live:
                 joiners = self._newcomers(live)
                 if not joiners:
                     self._check_batch(stacks)

@@ -173,3 +173,19 @@ def test_a_process_sigkilled_from_outside_resumes_when_rerun(tmp_path, tmp_path_
     with np.load(tmp_path / "params-0.npz") as got:
         _same(dict(got), lj.reference_params(40))
     lj.steps_of_last_attempt_are_contiguous(tmp_path, 40)
+
+
+def test_balance_in_one_process_says_it_is_off_and_trains_exactly(tmp_path, capsys):
+    steps = 3
+    result = spare_jax.fit(
+        _step(),
+        regression.init_params(),
+        regression.batches,
+        steps=steps,
+        workdir=str(tmp_path),
+        balance=True,
+    )
+    err = capsys.readouterr().err
+    assert "balance=True is off in a one-process job" in err, err[-2000:]
+    assert not lj.events(tmp_path, "straggler")
+    _same(result.params, lj.reference_params(steps))
