@@ -252,7 +252,7 @@ class Job:
         """Block until the job is over: ``complete``, ``failed`` (a crash the job did not
         mask), ``verdict``, ``relaunch``, ``hung`` or ``preempted`` (``stop`` is set when a
         SIGTERM reaches the launcher)."""
-        first_exit = None
+        first_exit = verdict_at = None
         while True:
             if stop is not None and stop.is_set():
                 self.preempt()
@@ -275,6 +275,12 @@ class Job:
                 time.sleep(0.05)
                 continue
             if any(c is not None and c not in NOT_A_VERDICT and c > 0 for c in codes):
+                # The others reach the same verdict (a bad batch, no usable checkpoint)
+                # and each log says so, unless they take longer than `verdict_s`.
+                verdict_at = verdict_at or time.time()
+                if None in codes and time.time() - verdict_at < self.options.verdict_s:
+                    time.sleep(0.05)
+                    continue
                 self.kill()
                 return "verdict"
             running = [w for w in self.workers if w.code is None]

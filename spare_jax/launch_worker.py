@@ -48,6 +48,7 @@ class Options:
     heartbeat_s: int = 3
     collective_timeout_s: int = 2
     grace_s: float = 30.0
+    verdict_s: float = 10.0  # after one worker's verdict, the others' time to reach it and say so
     log_dir: str = ""  # "": the job's own (`spare_jax.launch.default_launch_dir`)
     preempt_s: float = 60.0  # after SIGTERM, how long the workers have to save and leave
     scheduler: str = "local"  # "local": K processes here; "slurm": one srun step of K tasks

@@ -15,6 +15,7 @@ by CI after the README's test command.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -233,14 +234,36 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restores(
 
 
 def test_when_no_checkpoint_restores_every_worker_stops_with_the_writers_line(env, tmp_path):
-    """Only the writer reads checkpoints; the others learn its verdict, message included."""
+    """Only the writer reads checkpoints; the others learn its verdict, message included.
+
+    Worker 2 is held (SIGSTOP) from the moment it starts its restore (after
+    the backend is up: its start-up exchange needs every process) until the
+    writer has given its verdict: the launcher gives the others time to reach it
+    (`verdict_s`) instead of killing them before their logs say why they stopped.
+    """
     first = _start(env, tmp_path, steps=10)
     assert first.finish() == 0, first.output()[-3000:]
     ckpts = tmp_path / "checkpoints"
     for replica in ckpts.glob("*/state/replica.npz"):
         replica.write_bytes(replica.read_bytes()[:100])
+    log2 = tmp_path / "launch" / "worker-2.log"
+    restoring = '"phase": "restore"'
+    before = log2.read_text().count(restoring)
     again = _start(env, tmp_path, steps=20)
-    assert again.finish() == 2, again.output()[-3000:]
+    try:
+        again.wait_for(lambda: log2.read_text().count(restoring) > before, what="its restore")
+        held = again.signal(2, signal.SIGSTOP)
+        log0 = tmp_path / "launch" / "worker-0.log"
+        try:
+            again.wait_for(lambda: "none of the 2" in log0.read_text(), what="the verdict")
+            time.sleep(0.5)  # the writer has left, and the launcher has seen it
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held, signal.SIGCONT)
+        code = again.finish()
+    finally:
+        again.close()
+    assert code == 2, again.output()[-3000:]
     logs = [(tmp_path / "launch" / f"worker-{i}.log").read_text() for i in range(4)]
     for i, log in enumerate(logs):
         assert "none of the 2 checkpoint(s)" in log, f"worker {i}: {log[-1500:]}"
