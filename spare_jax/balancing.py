@@ -182,8 +182,11 @@ class Balancing:
         """After step ``t``'s reduction (inside the live-set block): its wait, and a share."""
         if self._tracker is None or self.step.domain is None:
             return
-        waited = time.perf_counter() - (self.step.computed_at or 0.0) - self._prefetch_s
-        self._waited = None if fresh or self.step.computed_at is None else max(waited, 0.0)
+        ready = self.step.computed_at
+        if fresh or ready is None:
+            self._waited = None
+        else:
+            self._waited = max(time.perf_counter() - ready - self._prefetch_s, 0.0)
         if (self.t + 1) % self._tracker.window:
             return
         mine = np.zeros(self.step.groups)
