@@ -305,6 +305,7 @@ def fit(
                 trainer.start()
                 trainer.loop()
                 summary = trainer.finish()
+                runlog.emit("finished", step=trainer.t)
                 return FitResult(trainer.params(), summary, trainer.log.writer, trainer.input_rows)
             finally:
                 trainer.close()

@@ -155,8 +155,29 @@ class Job:
         self.srun.wait()
         for w in self.workers:  # srun names only the tasks that did not exit 0
             if w.exit_code is None:
-                w.exit_code = 0 if self.srun.returncode == 0 or not w.lost else -9
+                w.exit_code = self._unreported(w)
         self._close_logs(logs)
+
+    def _unreported(self, w: Worker) -> int:
+        """The status of a task that srun's report did not name.
+
+        A step that exits 0 names none; after a failed step, a task counts as
+        having exited 0 only when it said so (its ``exit`` or ``finished`` event):
+        a report line lost or garbled must never turn a broken attempt into a
+        complete one.
+        """
+        if self.srun is None or self.srun.returncode == 0:
+            return 0
+        if w.said_status is not None:
+            return w.said_status
+        if w.finished:
+            return 0
+        if not (w.lost or self.stopping):
+            say(
+                f"srun did not report worker {w.index}'s exit status and it never said it "
+                "finished: counted as a crash"
+            )
+        return -9
 
     def _line(self, worker: Worker, line: str, logs: dict[int, Any]) -> None:
         log = logs.get(worker.index, False)
@@ -236,6 +257,10 @@ class Job:
                 w.send(signal.SIGKILL)  # hung or stopped: it goes now
         elif kind == "resumed":
             self.resumed = True
+        elif kind == "exit":
+            worker.said_status = int(event.get("status", 1))
+        elif kind == "finished":
+            worker.finished = True
 
     # ------------------------------------------------------------------ wait
 

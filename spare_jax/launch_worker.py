@@ -85,6 +85,8 @@ class Worker:
     pid: int | None = None
     host: str = ""
     exit_code: int | None = None
+    said_status: int | None = None  # the status it said it exits with (its ``exit`` event)
+    finished: bool = False  # it said its training completed (its ``finished`` event)
     injected: bool = False  # killed by the fault injector
     declared_dead: bool = False  # the job went on without it
     last_line: str = ""

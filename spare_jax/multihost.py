@@ -307,6 +307,7 @@ def _install_exit_handlers(*, joined: bool) -> None:
         if isinstance(value, errors.FitError):
             sys.stderr.write(f"{os.path.basename(sys.argv[0] or 'python')}: {value}\n")
             sys.stderr.flush()
+            runlog.emit("exit", status=value.exit_status)
             sys.stdout.flush()
             if joined:
                 leave()

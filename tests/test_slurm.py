@@ -84,7 +84,12 @@ def test_a_task_killed_from_outside_is_masked(env, tmp_path, reference, victim):
 def test_two_neighbour_tasks_killed_start_a_new_step_that_rolls_back(env, tmp_path, reference):
     job, code = _kill(env, tmp_path, [2, 3])
     assert code == 0, job.output()[-3000:]
-    (relaunch,) = lj.events(tmp_path, "relaunch")
+    relaunches = lj.events(tmp_path, "relaunch")
+    assert len(relaunches) == 1, (
+        f"{relaunches}\n{[r for r in lj.records(tmp_path) if 'event' in r]}\n"
+        f"{job.output()[-3000:]}\n{job.worker_logs()}"
+    )
+    (relaunch,) = relaunches
     assert relaunch["rolled_back"] and relaunch["to_step"] % 5 == 0
     lj.assert_params(tmp_path, reference, range(4))  # the new step runs all four again
     lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
