@@ -9,12 +9,15 @@ resume skips most of its compiles. `spare_jax.fit` turns it on, under
 JAX's cache settings are process-wide configuration: `enable` changes them for
 every later compile in the process, and `snapshot` / `restore` (or `enabled`,
 which pairs them) give them back. The counts come from the events JAX records
-through `jax.monitoring` (public API); the only other JAX call is
-``reset_cache``, public under ``jax.experimental.compilation_cache``.
+through `jax.monitoring` (public API); the other JAX calls are
+``reset_cache`` (``jax.experimental.compilation_cache``) and
+``jax.experimental.serialize_executable``.
 
-Which programs a cache can serve (JAX 0.10): every process reads it, but only
-the process whose ``jax.distributed`` id is 0 writes it, and on CPU the key
-holds the program's device assignment. docs/library.md says what that means
+Which programs JAX's cache can serve (JAX 0.10): every process reads it, but
+only the process whose ``jax.distributed`` id is 0 writes it, and on CPU the
+key holds the program's device assignment. So every other process keeps the
+programs of its failure domain itself (`compile_lowered`): a relaunched
+process or a replacement loads them. docs/library.md says what that means
 for a relaunched job.
 """
 
@@ -22,15 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import logging
 import os
+import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
+from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
 __all__ = [
     "Snapshot",
+    "compile_lowered",
     "configured",
     "counts",
     "enable",
@@ -92,6 +102,16 @@ class _Counter:
             with self._lock:
                 self._retrieval_s += float(duration_secs)
 
+    def own(self, *, hit: bool, seconds: float = 0.0) -> None:
+        """A lookup in this process's own store (`compile_lowered`): counted as JAX's are."""
+        with self._lock:
+            if hit:
+                self._counts[_LOOKUP] += 1
+                self._counts[_HIT] += 1
+                self._retrieval_s += seconds
+            else:  # the compile that follows records JAX's own lookup
+                self._counts[_WRITE] += 1
+
     def counts(self) -> dict[str, int]:
         with self._lock:
             hits, lookups = self._counts[_HIT], self._counts[_LOOKUP]
@@ -107,6 +127,7 @@ class _Counter:
 
 
 _COUNTER = _Counter()
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,3 +224,84 @@ def counts() -> dict[str, int]:
 def retrieval_seconds() -> float:
     """Seconds spent reading and loading the hits counted by `counts`."""
     return _COUNTER.retrieval_seconds()
+
+
+# This process's own entries for the programs JAX's cache does not keep for it
+# (`compile_lowered`), under the cache directory, one folder per process id.
+_OWN = "process-{index}"
+
+
+def _own_key(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) -> str:
+    """What the compiled program depends on: the program, its devices, the job's shape, JAX."""
+    backend = devices[0].client
+    h = hashlib.sha256()
+    for part in (
+        jax.__version__,
+        backend.platform,
+        backend.platform_version,
+        f"{jax.process_count()} {jax.device_count()}",
+        " ".join(f"{d.id}:{d.process_index}" for d in devices),
+        lowered.as_text(),
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) -> Any:
+    """``lowered.compile()``, loaded from this process's own entry when it has one.
+
+    JAX's cache writes only from process 0 (see the module's docstring), so
+    every other process compiled its programs again at each relaunch and a
+    replacement compiled all of them. With a cache directory configured,
+    every process but 0 keeps the programs it compiles through here in
+    ``DIR/process-<id>/`` (serialized executables keyed by the program text,
+    its ``devices`` in order, the job's shape and JAX's version), and a later
+    process with the same id loads them. Process 0 and runs without a cache
+    directory compile as JAX does. A damaged or stale entry is compiled again
+    and replaced. Loads and writes count in `counts` like JAX's own.
+    """
+    directory = configured()
+    index = jax.process_index()
+    if directory is None or index == 0 or jax.process_count() == 1:
+        return lowered.compile()
+    folder = os.path.join(directory, _OWN.format(index=index))
+    path = os.path.join(folder, _own_key(lowered, devices))
+    start = time.perf_counter()
+    try:
+        with open(path, "rb") as f:
+            payload = f.read()
+    except OSError:
+        payload = None
+    if payload is not None:
+        try:
+            compiled = serialize_executable.deserialize_and_load(
+                payload,
+                _in_tree(lowered),
+                lowered.out_tree,
+                backend=devices[0].client,
+                execution_devices=list(devices),
+            )
+        except Exception as err:  # noqa: BLE001 - any failure: compile instead
+            log.warning("compile cache entry %s does not load (%s): compiling", path, err)
+        else:
+            _COUNTER.own(hit=True, seconds=time.perf_counter() - start)
+            return compiled
+    compiled = lowered.compile()
+    try:
+        data, _, _ = serialize_executable.serialize(compiled)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except (OSError, ValueError, NotImplementedError) as err:
+        log.warning("compile cache entry %s not written: %s", path, err)
+    else:
+        _COUNTER.own(hit=False)
+    return compiled
+
+
+def _in_tree(lowered: jax.stages.Lowered) -> Any:
+    """The tree of a compiled program's argument descriptions (as `serialize` returns it)."""
+    return jax.tree.structure(lowered.args_info)

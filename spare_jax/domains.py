@@ -37,8 +37,8 @@ import scipy.sparse
 import scipy.sparse.csgraph
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spare_jax import compile_cache, slots
 from spare_jax import mesh as mesh_lib
-from spare_jax import slots
 from spare_jax import train_step as step_lib
 
 __all__ = ["Split", "domain_of", "failure_domains", "lift", "view"]
@@ -145,7 +145,9 @@ class Split:
     def _compiled(self, key: Any, kind: str, build: Callable[[], Any], args: Sequence[Any]) -> Any:
         if key not in self._exe:
             start = time.perf_counter()
-            self._exe[key] = build().lower(*jax.tree.map(_abstract, args)).compile()
+            lowered = build().lower(*jax.tree.map(_abstract, args))
+            devices = jax.tree.leaves(args)[0].sharding.mesh.devices.flat
+            self._exe[key] = compile_cache.compile_lowered(lowered, list(devices))
             self.compiles[kind] += 1
             self.compile_s[kind] += time.perf_counter() - start
         return self._exe[key]

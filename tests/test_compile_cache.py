@@ -7,6 +7,7 @@ other test sees a change.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 
 import jax
@@ -124,3 +125,61 @@ def test_a_bad_compile_cache_is_named_before_any_file(no_cache, tmp_path, bad):
     with pytest.raises(ValueError, match="compile_cache"):
         _fit(tmp_path / "run", compile_cache=bad)
     assert not (tmp_path / "run").exists()
+
+
+def _as_process(monkeypatch, index: int) -> None:
+    """This lone process answers as process ``index`` of a 2-process job (only the store's
+    choice of who writes reads these)."""
+    monkeypatch.setattr(jax, "process_index", lambda *a, **k: index)
+    monkeypatch.setattr(jax, "process_count", lambda *a, **k: 2)
+
+
+def _lowered():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    program = jax.jit(lambda a, b: (a * b + 1.0, jnp.sum(a)), out_shardings=(sharding, None))
+    arg = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)
+    return program.lower(arg, arg), list(mesh.devices.flat), sharding
+
+
+def test_a_process_other_than_0_keeps_its_programs_and_loads_them_again(
+    no_cache, tmp_path, monkeypatch, caplog
+):
+    """JAX's cache writes only from process 0: the others' programs go to their own store."""
+    compile_cache.enable(tmp_path / "cache")
+    _as_process(monkeypatch, 1)
+    lowered, devices, sharding = _lowered()
+    a = jax.device_put(jnp.arange(8.0), sharding)
+    first = compile_cache.compile_lowered(lowered, devices)
+    (entry,) = (tmp_path / "cache" / "process-1").iterdir()
+    hits = compile_cache.counts()["cache_hits"]
+    lowered, devices, _ = _lowered()  # a new lowering of the same program: a hit
+    second = compile_cache.compile_lowered(lowered, devices)
+    assert compile_cache.counts()["cache_hits"] == hits + 1
+    for got, want in zip(second(a, a), first(a, a), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Other devices, another program: its own entry.
+    other = jax.sharding.Mesh(np.array(jax.devices()[2:4]), ("x",))
+    shard = jax.sharding.NamedSharding(other, jax.sharding.PartitionSpec("x"))
+    arg = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=shard)
+    program = jax.jit(lambda a, b: (a * b + 1.0, jnp.sum(a)), out_shardings=(shard, None))
+    compile_cache.compile_lowered(program.lower(arg, arg), list(other.devices.flat))
+    assert len(list((tmp_path / "cache" / "process-1").iterdir())) == 2
+    # A damaged entry is compiled again and replaced, never run.
+    entry.write_bytes(entry.read_bytes()[:100])
+    lowered, devices, _ = _lowered()
+    with caplog.at_level(logging.WARNING, logger="spare_jax.compile_cache"):
+        third = compile_cache.compile_lowered(lowered, devices)
+    assert f"compile cache entry {entry} does not load" in caplog.text
+    np.testing.assert_array_equal(np.asarray(third(a, a)[0]), np.asarray(first(a, a)[0]))
+    assert entry.stat().st_size > 100
+
+
+def test_process_0_and_runs_without_a_cache_leave_the_store_alone(no_cache, tmp_path, monkeypatch):
+    lowered, devices, _ = _lowered()
+    _as_process(monkeypatch, 1)
+    compile_cache.compile_lowered(lowered, devices)  # no cache configured: nothing kept
+    compile_cache.enable(tmp_path / "cache")
+    _as_process(monkeypatch, 0)
+    compile_cache.compile_lowered(lowered, devices)
+    assert not list((tmp_path / "cache").glob("process-*"))

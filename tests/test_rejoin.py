@@ -16,6 +16,7 @@ rendezvous keys, ``live_devices``'s cache): run them on every JAX upgrade.
 from __future__ import annotations
 
 import pathlib
+import re
 import signal
 
 import launching as lj
@@ -94,6 +95,12 @@ def _check(workdir: pathlib.Path, reference: dict, victims: list[tuple[int, int]
     assert lj.summary(workdir)["final_step"] == STEPS
     lj.assert_params(workdir, reference, range(4))  # the replacements' included
     lj.no_process_left(workdir)
+    for p in {p for p, _, _ in victims}:
+        # The replacement is the last to write its log: it loaded its step's three programs
+        # (gradients, update, cross) that its forerunner compiled, whatever its process id.
+        log = (workdir / "launch" / f"worker-{p}.log").read_text(errors="replace")
+        loaded = re.findall(r"compile cache .*: (\d+) programs? loaded", log)
+        assert loaded and int(loaded[-1]) >= 3, (p, loaded)
 
 
 def _scenario(env, tmp_path: pathlib.Path, reference, victims) -> None:
