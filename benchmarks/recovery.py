@@ -33,6 +33,13 @@ run, medians over ``--repeats``:
   notice to the end of the job (every worker saved the step reached and
   left), and the save itself.
 
+``--worker=regression`` runs the same jobs with ``experiments/regression.py``
+(a user's script through `spare_jax.fit`, 4 workers of 2 CPU devices) under
+``python -m spare_jax.launch`` instead of the LM: the SPARe r = 2 cases, the
+relaunch and the faults from outside (it has no replication or
+``--precompile_failures`` flag), each job at least 200 steps long (its steps
+take milliseconds), the faults at the same steps as the LM's.
+
 ``--neighbour_kills=N`` runs one study instead: N jobs of
 ``experiments/regression.py`` under ``python -m spare_jax.launch`` (4 workers
 of 2 CPU devices, 40 steps), each with one worker SIGKILLed from outside at
@@ -93,6 +100,13 @@ _NEIGHBOUR_KILLS = flags.DEFINE_integer(
 _NEIGHBOUR_LOAD = flags.DEFINE_list(
     "neighbour_load", ["0"], "Busy-looping processes beside each job of the study, per level."
 )
+_WORKER = flags.DEFINE_enum(
+    "worker",
+    "lm",
+    ["lm", "regression"],
+    "The jobs' worker: the LM (experiments/launch.py around train.py) or "
+    "experiments/regression.py under python -m spare_jax.launch (SPARe r = 2 cases only).",
+)
 GLOO_MISMATCH = "Received data size doesn't match expected size"
 
 CASES = (
@@ -115,7 +129,30 @@ CASES = (
 )
 
 
+def _cases() -> tuple[tuple[str, list[str], list[str]], ...]:
+    """The kill cases the worker has: experiments/regression.py is SPARe r = 2 alone."""
+    if _WORKER.value == "lm":
+        return CASES
+    return tuple(c for c in CASES if c[1] == ["--strategy=spare", "--redundancy=2"])
+
+
 def _command(workdir: str, args: list[str], kills: list[str], kill_step: int) -> list[str]:
+    kill_flags = [f"--kill={k.replace('KILL', str(kill_step))}" for k in kills]
+    if _WORKER.value == "regression":
+        # Its steps take milliseconds: a run long enough for every fault to land in it.
+        steps = [a for a in args if a.startswith("--steps=")] or [
+            f"--steps={max(_STEPS.value, 200)}"
+        ]
+        return [
+            *_launcher(workdir),
+            *(a for a in args if a.startswith("--replace_after_s=")),
+            *kill_flags,
+            "--",
+            sys.executable,
+            str(ROOT / "experiments" / "regression.py"),
+            f"--workdir={workdir}",
+            steps[-1],
+        ]
     return [
         sys.executable,
         str(ROOT / "experiments" / "launch.py"),
@@ -126,7 +163,21 @@ def _command(workdir: str, args: list[str], kills: list[str], kill_step: int) ->
         f"--heartbeat_s={_HEARTBEAT.value}",
         f"--collective_timeout_s={_TIMEOUT.value}",
         *args,
-        *(f"--kill={k.replace('KILL', str(kill_step))}" for k in kills),
+        *kill_flags,
+    ]
+
+
+def _launcher(workdir: str) -> list[str]:
+    """``python -m spare_jax.launch`` with the jobs' shape, heartbeat and timeouts."""
+    return [
+        sys.executable,
+        "-m",
+        "spare_jax.launch",
+        "--processes=4",
+        "--devices_per_process=2",
+        f"--heartbeat_s={_HEARTBEAT.value}",
+        f"--collective_timeout_s={_TIMEOUT.value}",
+        f"--launch_dir={os.path.join(workdir, 'launch')}",
     ]
 
 
@@ -186,7 +237,10 @@ def _hang(proc, workdir: str, err_path: str) -> dict:
 
 def _second_kill(proc, workdir: str, err_path: str) -> dict:
     _wait_for(proc, lambda: "declared dead" in pathlib.Path(err_path).read_text())
-    pid = worker_pid(workdir, 3)
+    try:
+        pid = worker_pid(workdir, 3)
+    except RuntimeError:  # a neighbour of worker 1 aborted in Gloo: the job relaunches
+        return {"neighbour_abort": 1.0}
     _note_kill(workdir, 3)
     at = time.time()
     os.kill(pid, signal.SIGKILL)
@@ -287,14 +341,7 @@ NEIGHBOUR_STEPS = 40  # experiments/regression.py steps per job of the study; th
 def _regression_command(workdir: str) -> list[str]:
     """experiments/regression.py (a user's script, `spare_jax.fit`) under the launcher."""
     return [
-        sys.executable,
-        "-m",
-        "spare_jax.launch",
-        "--processes=4",
-        "--devices_per_process=2",
-        f"--heartbeat_s={_HEARTBEAT.value}",
-        f"--collective_timeout_s={_TIMEOUT.value}",
-        f"--launch_dir={os.path.join(workdir, 'launch')}",
+        *_launcher(workdir),
         "--",
         sys.executable,
         str(ROOT / "experiments" / "regression.py"),
@@ -377,6 +424,18 @@ SECOND = "SPARe r=2, a second kill during recovery"
 PREEMPT = "preemption: SIGTERM to the launcher"
 
 
+def _second_figures(records: list[dict], extra: dict) -> dict[str, float]:
+    """Masked: the last `recovered` event, timed from the second kill (its time is on
+    file). Not: the relaunch, from the survivors' exit to the restored state. No second
+    kill sent (a neighbour of the first victim aborted in Gloo): counted apart."""
+    if "neighbour_abort" in extra:
+        return {"neighbour_abort": 1.0}
+    relaunch = [r for r in records if r.get("event") == "relaunch"]
+    recovered = [r for r in records if r.get("event") == "recovered"]
+    total = relaunch[-1]["relaunch_s"] if relaunch else recovered[-1]["recovery_s"]
+    return {"relaunched": float(bool(relaunch)), "total_s": float(total)}
+
+
 def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
     """The faults sent from outside: a hang, a kill during recovery, a preemption notice."""
     spare = ["--strategy=spare", "--redundancy=2"]
@@ -387,14 +446,7 @@ def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
         records, extra = _outside(
             os.path.join(base, f"second-run{rep}"), spare, ["KILL:1"], _second_kill
         )
-        # Masked: the last `recovered` event, timed from the second kill (its time is
-        # on file). Not: the relaunch, from the survivors' exit to the restored state.
-        relaunch = [r for r in records if r.get("event") == "relaunch"]
-        recovered = [r for r in records if r.get("event") == "recovered"]
-        total = relaunch[-1]["relaunch_s"] if relaunch else recovered[-1]["recovery_s"]
-        out.setdefault(SECOND, []).append(
-            {"relaunched": float(bool(relaunch)), "total_s": float(total)}
-        )
+        out.setdefault(SECOND, []).append(_second_figures(records, extra))
         records, _ = _outside(
             os.path.join(base, f"rejoin-run{rep}"),
             [*spare, "--steps=400", "--replace_after_s=0"],
@@ -434,7 +486,8 @@ def main(argv: list[str]) -> None:
         return
     kill_step = _STEPS.value // 2
     results: dict[str, list[dict]] = {}
-    for case, (name, args, kills) in enumerate(CASES):
+    cases = _cases()
+    for case, (name, args, kills) in enumerate(cases):
         for rep in range(_REPEATS.value):
             workdir = os.path.join(base, f"case{case}-run{rep}")
             figures = _figures(_run(workdir, args, kills, kill_step), len(kills) > 1)
@@ -445,7 +498,8 @@ def main(argv: list[str]) -> None:
             )
     print(
         f"\nmedians of {_REPEATS.value} runs; heartbeat {_HEARTBEAT.value} s, collective "
-        f"timeout {_TIMEOUT.value} s; 4 processes x 2 CPU devices; kill at step {kill_step}"
+        f"timeout {_TIMEOUT.value} s; 4 processes x 2 CPU devices; kill at step {kill_step}; "
+        f"worker: {_WORKER.value}"
     )
     columns = (
         "detect_s",
@@ -472,26 +526,32 @@ def main(argv: list[str]) -> None:
             f"{name}: " + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r.items()) for r in rows)
         )
     for name, rows in outside.items():
-        keys = sorted({k for r in rows for k in r if "false_alarm" not in r})
-        figures = {k: statistics.median(r[k] for r in rows if k in r) for k in keys}
+        apart = ("false_alarm", "neighbour_abort")
+        kept = [r for r in rows if not any(a in r for a in apart)]
+        keys = sorted({k for r in kept for k in r})
+        figures = {k: statistics.median(r[k] for r in kept if k in r) for k in keys}
+        figures.update(
+            {a: float(sum(a in r for r in rows)) for a in apart if any(a in r for r in rows)}
+        )
         medians[name] = figures
         print(f"{name:<40}" + "".join(f"  {k} {v:.3f}" for k, v in figures.items()))
-    hang, kill = medians.get(HANG, {}), medians[CASES[0][0]]
+    hang, kill = medians.get(HANG, {}), medians[cases[0][0]]
     if "detect_s" in hang and "detect_s" in kill:
         print(
             f"detection, hang vs kill: {hang['detect_s']:.2f} s vs {kill['detect_s']:.2f} s "
             f"(heartbeat {_HEARTBEAT.value} s)"
         )
-    relaunch = medians[CASES[-1][0]].get("total_s", float("nan"))
+    relaunch = medians[cases[-1][0]].get("total_s", float("nan"))
     back = medians.get(REJOIN, {})
     if "join_s" in back:
         print(
             f"a dead worker back in the job: re-join {back['join_s']:.2f} s from the "
             f"replacement's start to its first step (survivors paused "
             f"{back['survivors_pause_s']:.2f} s, state {back['bytes']:.0f} bytes in "
-            f"{back['transfer_s']:.2f} s) vs relaunch and restore {relaunch:.2f} s"
+            f"{back['transfer_s']:.2f} s) vs relaunch and restore {relaunch:.2f} s "
+            f"({back['join_s'] / relaunch:.2f}x)"
         )
-    for name, _, _ in CASES[:2]:
+    for name, _, _ in cases[:-1][:2]:
         spare = medians[name].get("total_s", float("nan"))
         print(
             f"kill -> first completed step, {name}: {spare:.2f} s (target 3 s); relaunch and "
