@@ -215,3 +215,18 @@ def test_state_benchmark_on_gpu_says_it_needs_three(tmp_path):
     result = _run("state.py", "--platform=gpu", "--sections=transfer", "--sizes_mb=1", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "skipped, it needs 3 GPUs (one per process); found 0" in result.stdout
+
+
+@pytest.mark.slow  # starts processes: run after the README's command
+def test_rejoin_state_benchmark_tiny(tmp_path):
+    """A 16 MB state re-joins through fit: no relaunch, every byte of it moved, peaks recorded."""
+    result = _run("rejoin_state.py", "--sizes_mb=16", f"--out={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = [
+        json.loads(line) for line in (tmp_path / "rejoin_state.json").read_text().splitlines()
+    ]
+    assert not record["relaunched"] and record["exit"] == 143, record  # stopped after the join
+    assert record["bytes"] >= record["state_bytes"], record  # the whole state, once
+    assert _positive(record["move_s"]) and _positive(record["join_s"]), record
+    assert sorted(record["peak_rss_over_state"]) == ["0", "1", "2"], record
+    assert "re-joined without a relaunch: True" in result.stdout, result.stdout
