@@ -183,3 +183,19 @@ def test_process_0_and_runs_without_a_cache_leave_the_store_alone(no_cache, tmp_
     _as_process(monkeypatch, 0)
     compile_cache.compile_lowered(lowered, devices)
     assert not list((tmp_path / "cache").glob("process-*"))
+
+
+def test_a_program_that_cannot_be_kept_still_compiles_and_runs(no_cache, tmp_path, monkeypatch):
+    """A host callback (jax.debug.print) does not serialize: compiled, run, not kept."""
+    compile_cache.enable(tmp_path / "cache")
+    _as_process(monkeypatch, 1)
+
+    def noisy(a):
+        jax.debug.print("sum {}", a.sum())
+        return a * 2
+
+    device = jax.devices()[0]
+    lowered = jax.jit(noisy).lower(jax.ShapeDtypeStruct((3,), jnp.float32))
+    compiled = compile_cache.compile_lowered(lowered, [device])
+    np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(3))), np.full(3, 2.0))
+    assert not list((tmp_path / "cache").glob("process-1/*"))
