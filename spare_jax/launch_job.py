@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,25 +21,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from spare_jax import errors, multihost, runlog
+from spare_jax import launch_slurm as slurm
 from spare_jax import launch_watch as watch_lib
 from spare_jax.launch_worker import NOT_A_VERDICT, Options, Worker, free_port, popen, say
 
 __all__ = ["Job", "Options", "Worker", "say"]
 
-# srun's own report of a task that did not exit 0 (a range when several did the same)
-_SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (.*)$")
 # The runtime's own log lines (Gloo's connection notes, absl/XLA's I/W/E/F lines): never
 # a worker's last word, which is its error.
 _RUNTIME_LOG = re.compile(r"^(\[Gloo\]|[IWEF]\d{4} \d\d:\d\d)")
-_SRUN_SIGNALS = {"Killed": -9, "Terminated": -15, "Aborted": -6, "Segmentation fault": -11}
-
-
-def _task_ids(spec: str) -> list[int]:
-    out = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 class Job:
@@ -61,7 +50,7 @@ class Job:
         self._lock = threading.Lock()
         self._watchers: list[threading.Thread] = []
         self.srun: subprocess.Popen | None = None
-        host = "localhost" if options.scheduler == "local" else _coordinator_host()
+        host = "localhost" if options.scheduler == "local" else slurm.coordinator_host()
         job_env = {
             **env,
             multihost.ENV["coordinator"]: f"{host}:{self.port}",
@@ -72,8 +61,10 @@ class Job:
         self.command, self.job_env = list(command), job_env
         self.replacements = 0
         self.injected: set[int] = set()  # indices whose --kill fired (a replacement's included)
+        # This attempt's step, by name: the end of an attempt cancels it and nothing else.
+        self.step_name = f"spare_jax-{os.getpid()}-{self.port}"
         if options.scheduler == "slurm":
-            self.srun = popen([*_srun(self.k, options), *command], job_env)
+            self.srun = popen([*slurm.command(self.k, options, self.step_name), *command], job_env)
             self._start(self._watch_srun)
             return
         for worker in self.workers:
@@ -144,12 +135,10 @@ class Job:
             if sep and label.strip().isdigit() and int(label) < self.k:
                 self._line(self.workers[int(label)], rest, logs)
                 continue
-            report = _SRUN_TASK.search(line.strip())
+            report = slurm.task_report(line)
             if report:
-                status = report.group(2)
-                exited = re.match(r"Exited with exit code (\d+)", status)
-                code = int(exited.group(1)) if exited else _SRUN_SIGNALS.get(status, -9)
-                for i in _task_ids(report.group(1)):
+                tasks, code = report
+                for i in tasks:
                     if i < self.k:
                         self.workers[i].exit_code = code
         self.srun.wait()
@@ -437,11 +426,7 @@ class Job:
         for w in self.workers:
             w.send(signal.SIGKILL)
         if self.srun is not None and self.srun.poll() is None:
-            step = os.environ.get("SLURM_JOB_ID")
-            if step:  # every task of our steps, wherever it runs
-                subprocess.run(
-                    ["scancel", "--signal=KILL", step], capture_output=True, timeout=30, check=False
-                )
+            slurm.cancel(self.step_name)
             self.srun.kill()
         for w in self.workers:
             if w.proc is not None:
@@ -459,23 +444,3 @@ class Job:
         if self.service is not None:
             self.service.shutdown()
             self.service = None
-
-
-def _coordinator_host() -> str:
-    """Where the tasks reach this launcher: localhost when the allocation is this node alone."""
-    nodes = os.environ.get("SLURM_JOB_NODELIST", "")
-    me = socket.gethostname()
-    return "localhost" if nodes in ("", me, me.split(".")[0]) else me
-
-
-def _srun(tasks: int, options: Options) -> list[str]:
-    """One srun step of ``tasks`` workers that keeps running when one of them dies."""
-    return [
-        "srun",
-        f"--ntasks={tasks}",
-        "--kill-on-bad-exit=0",
-        "--label",
-        "--unbuffered",
-        "--export=ALL",
-        *options.srun_args,
-    ]

@@ -132,3 +132,38 @@ def test_the_sbatch_script_runs_the_job_and_survives_a_killed_task(env, tmp_path
     lj.assert_masked(tmp_path, reference, [1], STEPS)
     assert _queue_empty()
     lj.no_process_left(tmp_path)
+
+
+# Silent in its first attempt (the launcher counts the job as hung and ends the attempt
+# while srun still runs); done at once in the next.
+_HANGS_ONCE = (
+    "import os, pathlib, time\n"
+    "mark = pathlib.Path(os.environ['HANG_MARK'] + os.environ['SLURM_PROCID'])\n"
+    "if not mark.exists():\n"
+    "    mark.touch()\n"
+    "    time.sleep(120)\n"
+)
+
+
+def test_an_attempt_ended_by_the_launcher_leaves_the_allocation_to_the_next(env, tmp_path):
+    """The launcher ends a hung attempt by killing its own srun step: the job's allocation
+    stays, and the relaunch runs in it (SLURM cancels a job sent SIGKILL)."""
+    launcher = lj.launcher(
+        tmp_path,
+        [lj.PYTHON, "-c", _HANGS_ONCE],
+        "--scheduler=slurm",
+        "--hang_timeout_s=3",
+        "--max_relaunches=1",
+    )
+    job = lj.Job(
+        ["timeout", "-k", "10", "300", "salloc", "-n", "4", *launcher],
+        tmp_path,
+        {**env, "HANG_MARK": str(tmp_path / "hung-")},
+    )
+    code = job.finish(timeout=240)
+    out = job.output()
+    assert "counts as hung" in out and "relaunch 1" in out, out[-3000:]
+    assert "revoked" not in out, out[-3000:]
+    assert code == 0, out[-3000:]
+    assert _queue_empty()
+    lj.no_process_left(tmp_path)
