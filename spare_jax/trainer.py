@@ -307,9 +307,10 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
             if self._check_input:  # compiled before the block, whose entry lines processes up
                 fingerprint.precompile(stacks)
             fresh = self.step.slot_bound not in self._warm.get(self.step, ())
-            self._at("compile" if fresh else "step")  # a first run compiles: busy, not stuck
             if not self.step.compiled():  # before the block: peers compile at their own pace,
-                self.step.precompile(self.state, stacks)  # the block's entry waits for all
+                self._at("compile")  # busy, not stuck; the block's entry waits for all
+                self.step.precompile(self.state, stacks)
+            self._at("step")  # a wait from here on is a wait on the peers, never a compile
             with self._barrier_timed(live_devices(self._all)) as live:
                 joiners = self._newcomers(live)
                 if not joiners:
@@ -323,8 +324,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
                         sums = self.step.reduce(self.state, stacks, table, timed=timed)
                         if self.spanning:  # the next save, agreed by every live process
                             vote = multihost.agree(self.step.mesh, self.ckpt.due(self.t + 1))
-                        if fresh:  # compiled; the update compiles next, at its own pace:
-                            self._at("step")  # meet before the next step's collectives
+                        if fresh:  # the update runs first next, at its own pace:
                             self._warm.setdefault(self.step, set()).add(self.step.slot_bound)
                             self._resync = True
                         self._prefetch(self.t + 1)
