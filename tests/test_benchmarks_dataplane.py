@@ -230,3 +230,19 @@ def test_rejoin_state_benchmark_tiny(tmp_path):
     assert _positive(record["move_s"]) and _positive(record["join_s"]), record
     assert sorted(record["peak_rss_over_state"]) == ["0", "1", "2"], record
     assert "re-joined without a relaunch: True" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_restore_benchmark_reads_the_checkpoint_once_per_job(tmp_path):
+    """2 and 3 processes resume a 16 MB state: the writer reads it once, the others
+    nothing (the state reaches them over the devices), whatever the process count."""
+    result = _run("restore.py", "--size_mb=16", "--processes=2,3", f"--out={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "restore.json").read_text().splitlines()]
+    assert [r["processes"] for r in records] == [2, 3], records
+    for r in records:
+        assert _positive(r["restore_s"]), r
+        reads = r["read_over_state"]
+        assert sorted(reads) == [str(p) for p in range(r["processes"])], r
+        assert 0.95 <= reads["0"] <= 1.3, r  # the writer: the checkpoint, once
+        assert all(reads[p] < 0.1 for p in reads if p != "0"), r  # the others: over the devices
