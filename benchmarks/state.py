@@ -67,7 +67,12 @@ _CHUNK_MB = flags.DEFINE_integer(
     lower_bound=0,
 )
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of each case.", lower_bound=1)
-_METHODS = flags.DEFINE_list("methods", ["devices", "kv"], "Transports: devices, kv.")
+_METHODS = flags.DEFINE_list(
+    "methods",
+    ["devices", "kv"],
+    "Transports: devices (the schedule broadcast.pipelined picks), chain or doubling (the "
+    "devices with that schedule forced), kv.",
+)
 _KV_MAX = flags.DEFINE_float(
     "kv_max_mb",
     1024,
@@ -134,7 +139,7 @@ def _kv(client, me: int, host, abstract) -> list:
     return leaves
 
 
-def _devices(me: int, host, abstract) -> list:
+def _devices(me: int, host, abstract, schedule: str = "auto") -> list:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -145,7 +150,8 @@ def _devices(me: int, host, abstract) -> list:
     on_mesh = NamedSharding(mesh, PartitionSpec())
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_mesh) for a in abstract]
     chunk = _CHUNK_MB.value << 20 or broadcast.CHUNK_BYTES
-    return broadcast.move(mesh, 0, abstract, host if me == 0 else None, chunk).leaves or []
+    source = host if me == 0 else None
+    return broadcast.move(mesh, 0, abstract, source, chunk, schedule).leaves or []
 
 
 def _save_work(layout: str, mb: str, directory: str) -> None:
@@ -259,7 +265,10 @@ def _work(spec: str) -> None:
     state_bytes = 4 * side * side * _LEAVES.value
     client.wait_at_barrier("bench/start", TIMEOUT_S * 1000)
     start = time.perf_counter()
-    leaves = _kv(client, me, host, abstract) if method == "kv" else _devices(me, host, abstract)
+    if method == "kv":
+        leaves = _kv(client, me, host, abstract)
+    else:
+        leaves = _devices(me, host, abstract, "auto" if method == "devices" else method)
     jax.block_until_ready(leaves)
     client.wait_at_barrier("bench/end", TIMEOUT_S * 1000)
     seconds = time.perf_counter() - start
@@ -365,9 +374,9 @@ def main(argv: list[str]) -> None:
     bad = [s for s in _SECTIONS.value if s not in ("transfer", "save")]
     if bad or not _SECTIONS.value:
         raise app.UsageError(f"--sections: transfer and/or save, got {_SECTIONS.value}")
-    bad = [m for m in _METHODS.value if m not in ("devices", "kv")]
+    bad = [m for m in _METHODS.value if m not in ("devices", "chain", "doubling", "kv")]
     if bad or not _METHODS.value:
-        raise app.UsageError(f"--methods: devices and/or kv, got {_METHODS.value}")
+        raise app.UsageError(f"--methods: devices, chain, doubling, kv, got {_METHODS.value}")
     try:
         sizes = [float(s) for s in _SIZES.value]
     except ValueError:

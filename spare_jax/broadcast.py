@@ -6,9 +6,14 @@ leaf. To give a group the state, each device of one live **source** group
 streams its pieces, as bytes, to the device at the same inner coordinate of
 every receiving group. The stream is cut into fixed chunks of
 ``chunk_bytes`` per device; one small program, compiled once per transfer
-mesh, moves a chunk from the source row to every other row, point to point
-(``ppermute``; each round doubles the rows that hold it), as raw bytes, so
-every bit of every dtype arrives as sent.
+mesh, moves chunks between rows point to point (``ppermute``), as raw
+bytes, so every bit of every dtype arrives as sent. Two schedules
+(`pipelined` picks the one with fewer chunk-times): a **chain**, where the
+rows stand in a line from the source and each collective passes every row's
+last chunk one row along (``chunks + rows - 2`` collectives: a large state
+streams at about one link's rate, whatever the group count), and
+**doubling**, where each chunk reaches every row in ``ceil(log2(rows))``
+rounds (a small state to many rows).
 
 Why this shape:
 
@@ -31,6 +36,7 @@ docs/checkpointing.md, "Moving the state".
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -45,6 +51,7 @@ from spare_jax import mesh as mesh_lib
 
 __all__ = [
     "CHUNK_BYTES",
+    "SCHEDULES",
     "Layout",
     "Moved",
     "Piece",
@@ -52,10 +59,12 @@ __all__ = [
     "assemble",
     "layout",
     "move",
+    "pipelined",
     "send_and_receive",
 ]
 
 CHUNK_BYTES = 8 << 20  # per device and collective (benchmarks/state.py --chunk_mb tries others)
+SCHEDULES = ("auto", "chain", "doubling")
 _ALIGN = 64  # each piece starts on this boundary, so a receiver's view needs no copy
 
 
@@ -180,21 +189,44 @@ def _rounds(rows: int, source_row: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
-def _program(mesh: Mesh, source_row: int) -> tuple[Any, NamedSharding]:
-    """One chunk from the source row to every row, in ceil(log2(rows)) point-to-point rounds."""
+def _chain(rows: int, source_row: int) -> list[int]:
+    """The rows in the order a pipelined transfer passes the chunks along: the source first."""
+    return [source_row, *(r for r in range(rows) if r != source_row)]
+
+
+def pipelined(chunks: int, rows: int) -> bool:
+    """Whether passing chunks along a chain beats doubling each chunk, in chunk-times.
+
+    Doubling sends each chunk through ``ceil(log2 rows)`` rounds, one chunk
+    after another: ``chunks x rounds``. The chain moves every chunk one link
+    per collective, all links at once: ``chunks + rows - 2`` collectives. Many
+    chunks (a large state) take the chain; a small state to many groups takes
+    the doubling.
+    """
+    rounds = max(math.ceil(math.log2(rows)), 1) if rows > 1 else 0
+    return rows > 2 and chunks + rows - 2 < chunks * rounds
+
+
+def _program(mesh: Mesh, source_row: int, chain: bool) -> tuple[Any, NamedSharding]:
+    """One collective of the transfer: a chunk doubled from the source row to every row in
+    ceil(log2(rows)) point-to-point rounds, or (``chain``) every row's chunk one row along."""
     inner = mesh_lib.inner_axes(mesh)
     spec = PartitionSpec(mesh_lib.GROUP_AXES, inner or None, None)
     rows = mesh.devices.shape[0] * mesh.devices.shape[1]
 
-    def move(x: jax.Array) -> jax.Array:
+    def double(x: jax.Array) -> jax.Array:
         row = jax.lax.axis_index(mesh_lib.GROUP_AXES)
         for pairs in _rounds(rows, source_row):
             got = jax.lax.ppermute(x, mesh_lib.GROUP_AXES, pairs)
             x = jnp.where(jnp.isin(row, jnp.array([b for _, b in pairs])), got, x)
         return x
 
+    def along(x: jax.Array) -> jax.Array:
+        order = _chain(rows, source_row)
+        return jax.lax.ppermute(x, mesh_lib.GROUP_AXES, list(itertools.pairwise(order)))
+
     sharding = NamedSharding(mesh, spec)
-    program = jax.shard_map(move, mesh=mesh, in_specs=spec, out_specs=spec)
+    program = jax.shard_map(along if chain else double, mesh=mesh, in_specs=spec, out_specs=spec)
     return jax.jit(program, out_shardings=sharding), sharding
 
 
@@ -218,14 +250,18 @@ def send_and_receive(
     plan: Layout,
     source_row: int,
     host: Sequence[np.ndarray] | None,
+    schedule: str = "auto",
 ) -> tuple[dict[int, np.ndarray], Transfer]:
     """Run the transfer; every process with a device on ``mesh`` calls it.
 
     A process of the source row passes its host copy of the leaves
     (``host``) and gets ``{}``; a receiver passes ``None`` and gets each of
     its devices' stream (device id -> bytes). Rows other than the source
-    send zeros.
+    send zeros. ``schedule``: ``auto`` (`pipelined` decides), ``chain`` or
+    ``doubling``; every process passes the same.
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: one of {SCHEDULES}")
     words = plan.chunk_bytes // 4
     shape = (*plan.grid.shape, words)
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -236,28 +272,40 @@ def send_and_receive(
         d.id: _stream(plan.pieces[plan.where(d.id)[1]], host, plan.chunk_bytes) for d in senders
     }
     received = {d.id: np.empty(plan.stream_bytes, np.uint8) for d in mine if d not in senders}
+    rows = plan.grid.shape[0]
+    chain = pipelined(plan.chunks, rows) if schedule == "auto" else schedule == "chain"
+    # a receiver gets chunk k at collective k + lag: 0 when doubling, its place
+    # in the chain less one when chained
+    order = _chain(rows, source_row)
+    lag = {d.id: order.index(plan.where(d.id)[0]) - 1 if chain else 0 for d in mine}
+    collectives = plan.chunks + (rows - 2 if chain else 0)
     start = time.perf_counter()
-    program, sharding = _program(mesh, source_row)
+    program, sharding = _program(mesh, source_row, chain)
     compiled = program.lower(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)).compile()
     compile_s = time.perf_counter() - start
     nothing = {d.id: jax.device_put(np.zeros((1, 1, words), np.int32), d) for d in mine}
 
     def keep(k: int, out: jax.Array) -> None:
-        at = k * plan.chunk_bytes
         for shard in out.addressable_shards:
-            if shard.device.id in received:
-                chunk = np.asarray(shard.data).reshape(-1).view(np.uint8)
-                received[shard.device.id][at : at + plan.chunk_bytes] = chunk
+            d = shard.device.id
+            chunk = k - lag[d]
+            if d in received and 0 <= chunk < plan.chunks:
+                at = chunk * plan.chunk_bytes
+                data = np.asarray(shard.data).reshape(-1).view(np.uint8)
+                received[d][at : at + plan.chunk_bytes] = data
 
-    pending = None  # chunk k moves while chunk k - 1 is read back and k + 1 is packed
-    for k in range(plan.chunks):
+    held = dict(nothing)  # a receiver's input: what it got last (chained), passed on as is
+    pending = None  # collective k runs while k - 1 is read back and k + 1 is packed
+    for k in range(collectives):
         blocks = [
             jax.device_put(next(streams[d.id]).view(np.int32).reshape(1, 1, words), d)
             if d.id in streams
-            else nothing[d.id]  # a receiver's input is never read: one block serves
+            else held[d.id]
             for d in mine
         ]
         out = compiled(jax.make_array_from_single_device_arrays(shape, sharding, blocks))
+        if chain:
+            held = {sh.device.id: sh.data for sh in out.addressable_shards}
         if pending is not None:
             keep(*pending)
         pending = (k, out)
@@ -306,6 +354,7 @@ def move(
     abstract: Sequence[Any],
     host: Sequence[np.ndarray] | None,
     chunk_bytes: int = CHUNK_BYTES,
+    schedule: str = "auto",
 ) -> Moved:
     """Send the source row's state to the other rows of ``mesh``: the whole transfer.
 
@@ -318,7 +367,7 @@ def move(
     plan = layout(mesh, abstract, specs, chunk_bytes)
     if jax.process_index() not in {d.process_index for d in mesh.devices.flat}:
         return Moved(plan.payload_bytes, None, None)
-    received, transfer = send_and_receive(mesh, plan, source_row, host)
+    received, transfer = send_and_receive(mesh, plan, source_row, host, schedule)
     shardings = [a.sharding for a in abstract]
     leaves = assemble(plan, received, abstract, shardings) if received else None
     return Moved(plan.payload_bytes, transfer, leaves)

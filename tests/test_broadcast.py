@@ -40,7 +40,13 @@ def _leaves(rng: np.random.Generator):
     ]
 
 
-def _run(source_group: int, receivers: list[int], chunk_bytes: int, seed: int = 0):
+def _run(
+    source_group: int,
+    receivers: list[int],
+    chunk_bytes: int,
+    seed: int = 0,
+    schedule: str = "auto",
+):
     mesh = _mesh()
     by_group = multihost.group_devices(mesh)
     groups = sorted({source_group, *receivers})
@@ -49,7 +55,7 @@ def _run(source_group: int, receivers: list[int], chunk_bytes: int, seed: int = 
     leaves, specs = [x for x, _ in pairs], [s for _, s in pairs]
     plan = broadcast.layout(moving, leaves, specs, chunk_bytes)
     received, transfer = broadcast.send_and_receive(
-        moving, plan, groups.index(source_group), leaves
+        moving, plan, groups.index(source_group), leaves, schedule
     )
     target = multihost.survivors_mesh(by_group, receivers, mesh)
     shardings = [NamedSharding(target, s) for s in specs]
@@ -93,6 +99,28 @@ def test_the_rounds_reach_every_row_from_rows_that_hold_the_chunk():
                 holders |= {b for _, b in pairs}
             assert holders == set(range(rows))
             assert len(broadcast._rounds(rows, source)) == int(np.ceil(np.log2(rows)))
+            chain = broadcast._chain(rows, source)
+            assert chain[0] == source and sorted(chain) == list(range(rows))
+
+
+@given(chunks=st.integers(1, 10_000), rows=st.integers(1, 2_000))
+def test_the_chain_is_taken_where_it_needs_fewer_chunk_times(chunks, rows):
+    rounds = int(np.ceil(np.log2(rows))) if rows > 1 else 0
+    chained = broadcast.pipelined(chunks, rows)
+    assert chained == (rows > 2 and chunks + rows - 2 < chunks * rounds)
+    if rows <= 2 or chunks == 1:
+        assert not chained  # one link, or one chunk: doubling is as fast or faster
+
+
+@pytest.mark.parametrize("schedule", ["auto", "chain", "doubling"])
+@pytest.mark.parametrize("chunk_bytes", [16, 1 << 20], ids=["many chunks", "one chunk"])
+def test_every_schedule_delivers_every_bit_to_three_groups(chunk_bytes, schedule):
+    leaves, out, plan, transfer = _run(2, [0, 1, 3], chunk_bytes, schedule=schedule)
+    assert transfer.chunks == plan.chunks
+    assert broadcast.pipelined(plan.chunks, 4) is (plan.chunks > 2)  # auto: chain for many
+    for want, got in zip(leaves, out, strict=True):
+        for shard in got.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes()
 
 
 def test_bad_input_says_what_is_wrong():
@@ -102,3 +130,5 @@ def test_bad_input_says_what_is_wrong():
     plan = broadcast.layout(mesh, [np.ones(3, np.float32)], [P()], chunk_bytes=64)
     with pytest.raises(ValueError, match="host copy"):
         broadcast.send_and_receive(mesh, plan, 0, None)
+    with pytest.raises(ValueError, match="one of"):
+        broadcast.send_and_receive(mesh, plan, 0, [np.ones(3, np.float32)], "ring")
