@@ -163,7 +163,8 @@ def test_an_attempt_ended_by_the_launcher_leaves_the_allocation_to_the_next(env,
     code = job.finish(timeout=240)
     out = job.output()
     assert "counts as hung" in out and "relaunch 1" in out, out[-3000:]
-    assert "revoked" not in out, out[-3000:]
     assert code == 0, out[-3000:]
+    # salloc may say "revoked" after it relinquishes the allocation at the end: not before
+    assert "revoked" not in out.split("salloc: Relinquishing")[0], out[-3000:]
     assert _queue_empty()
     lj.no_process_left(tmp_path)
