@@ -2,6 +2,7 @@
 
     python benchmarks/hsdp.py                      # sections 1 and 2 (a few minutes on 2 cores)
     python benchmarks/hsdp.py --processes          # also section 3: two 8-process jobs
+    python benchmarks/hsdp.py --rows=64,256,1024   # section 1 at three micro-batch sizes
     python benchmarks/hsdp.py --tiny --steps=2 --warmup=1 --out=/tmp/hsdp.json   # smoke run
 
 1. Failure-free SPARe (r = 2) vs a hand-written HSDP step on the same mesh,
@@ -9,7 +10,10 @@
    jitted with the state donated, the batch's rows split over the group axes
    and the first inner axis. Three inner layouts (FSDP, tensor, FSDP x tensor)
    of an MLP on 8 simulated CPU devices, m = 1. Interleaved rounds; the ratio is
-   the median of per-round ratios. Target <= 1.02.
+   the median of per-round ratios. Target <= 1.02. ``--rows`` sweeps the rows
+   of a micro-batch (its compute) at a fixed state: SPARe's own cost per step
+   (the slot loop, the masking) is about fixed, so its share falls as the
+   compute grows.
 2. Device memory per device of the compiled step (XLA's ``memory_analysis``):
    the fused step with the state donated (``fused donated``, one process), the
    multi-process form (``split``: a reduction that keeps the state, then an
@@ -41,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import flags
+from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec
 
 import spare_jax
@@ -52,6 +56,9 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per configuration.", 
 _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
 _TINY = flags.DEFINE_bool("tiny", False, "Tiny model: a smoke run.")
 _PROCESSES = flags.DEFINE_bool("processes", False, "Also run section 3 (two 8-process jobs).")
+_ROWS = flags.DEFINE_list(
+    "rows", ["64"], "Rows per micro-batch per group: a section-1 table each (section 2: the first)."
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # mesh, (fsdp axis, tensor axis) of the MLP's specs
@@ -104,7 +111,10 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def versus_hand(width: int, depth: int, rows: int) -> list[dict[str, Any]]:
     """Section 1: SPARe's step vs a hand-written HSDP step, same mesh, specs and batch."""
-    print("\n1. failure-free SPARe (r=2, m=1) vs a hand-written HSDP step (jax.grad + optax)")
+    print(
+        f"\n1. failure-free SPARe (r=2, m=1) vs a hand-written HSDP step (jax.grad + optax), "
+        f"{rows} rows per micro-batch"
+    )
     print(f"{'layout':>14} {'hand s':>9} {'spare s':>9} {'ratio':>6}  target <= 1.02")
     params, tx, out = mlp(width, depth), optax.adamw(1e-3), []
     for name, (shape, (fsdp, tensor)) in LAYOUTS.items():
@@ -151,7 +161,9 @@ def versus_hand(width: int, depth: int, rows: int) -> list[dict[str, Any]]:
         times = interleaved([lambda: timed(run_hand), lambda: timed(run_spare)])
         t_hand, t_spare = np.median(times, axis=0)
         ratio = float(np.median(times[:, 1] / times[:, 0]))
-        out.append({"layout": name, "hand_s": t_hand, "spare_s": t_spare, "ratio": ratio})
+        out.append(
+            {"layout": name, "rows": rows, "hand_s": t_hand, "spare_s": t_spare, "ratio": ratio}
+        )
         print(f"{name:>14} {t_hand:9.4f} {t_spare:9.4f} {ratio:6.3f}")
     return out
 
@@ -228,13 +240,20 @@ def rows_read(out_dir: str) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> None:
     del argv
     out_path = cli.output_file("out", _OUT.value) if _OUT.value else None
-    width, depth, rows = (16, 2, 4) if _TINY.value else (512, 4, 64)
-    print(
-        f"MLP {depth} x {width}x{width}, {rows} rows per micro-batch, {jax.device_count()} devices"
-    )
+    try:
+        sizes = [int(r) for r in _ROWS.value]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise app.UsageError(
+            f"--rows={','.join(_ROWS.value)}: positive integers, e.g. --rows=64,256"
+        )
+    width, depth = (16, 2) if _TINY.value else (512, 4)
+    sizes = [4] if _TINY.value else sizes
+    print(f"MLP {depth} x {width}x{width}, {jax.device_count()} devices")
     results: dict[str, Any] = {
-        "versus_hand": versus_hand(width, depth, rows),
-        "memory": memory(width, depth, rows),
+        "versus_hand": [row for rows in sizes for row in versus_hand(width, depth, rows)],
+        "memory": memory(width, depth, sizes[0]),
     }
     if _PROCESSES.value:
         with tempfile.TemporaryDirectory() as tmp:

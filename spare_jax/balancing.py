@@ -46,7 +46,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spare_jax import checks, errors, reorder
+from spare_jax import checks, errors, multihost, reorder
 from spare_jax.placement import Placement
 
 __all__ = ["Balancing", "SpeedTracker", "share"]
@@ -241,6 +241,12 @@ class Balancing:
             state, metrics = self.step.update(self.state, grad_sum, loss_sum, table)
             jax.block_until_ready(state)
         except jax.errors.JaxRuntimeError as err:  # the state was donated: it is gone
+            if self.spanning:  # a collective in the group failed: the group is lost, not the job
+                self._leave_group(
+                    multihost.groups_touching(self.owners, [jax.process_index()]).tolist(),
+                    f"the optimizer update of step {self.t} failed inside the group "
+                    f"({str(err).splitlines()[0][:160]}), whose state it took",
+                )
             raise errors.Relaunch(
                 f"step {self.t}: the optimizer update failed after the reduction "
                 f"({str(err).splitlines()[0][:160]}); a fresh job resumes from the checkpoint"

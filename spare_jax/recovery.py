@@ -94,7 +94,7 @@ class ProcessLoss:
         # The other processes of a dead group leave: they hold no live group.
         leaving = sorted({int(p) for p in np.unique(self.owners[dead_groups])} - set(dead_procs))
         if jax.process_index() in leaving:
-            self._leave_group(dead_procs, dead_groups)
+            self._leave_group(dead_groups, f"process(es) {dead_procs} died during step {self.t}")
         # The leavers stay in the live-set check until the job declares them dead:
         # then every survivor sees them go in the same block (`_left`).
         if not dead_groups:  # processes that left with their group, already masked
@@ -157,12 +157,11 @@ class ProcessLoss:
         runlog.notice(f"process(es) {procs} left the job with their group (already masked)")
         self._resync = True
 
-    def _leave_group(self, dead_procs: list[int], dead_groups: list[int]) -> None:
-        """This process's group lost another of its processes: leave the job (it goes on)."""
-        runlog.emit("group_lost", process=jax.process_index(), groups=dead_groups, step=self.t)
+    def _leave_group(self, groups: list[int], reason: str) -> None:
+        """This process's group is lost (``reason``): leave the job, which goes on without it."""
+        runlog.emit("group_lost", process=jax.process_index(), groups=groups, step=self.t)
         err = errors.GroupLost(
-            f"process(es) {dead_procs} died during step {self.t}, and with them group(s) "
-            f"{dead_groups}, which this process belongs to; the job goes on without it"
+            f"{reason}; this process belongs to group(s) {groups}: the job goes on without them"
         )
         # At once, without JAX's shutdown (which would wait on the survivors): the job
         # declares this process dead one heartbeat later, on every survivor alike.

@@ -1,0 +1,71 @@
+"""A failed optimizer update: a group spanning processes leaves the job; otherwise a relaunch.
+
+The update takes the state (donated), so a process whose update failed has
+no state to go on with. When its group spans processes, the failure is a
+collective inside the group (a group-mate died in it): the group is lost,
+not the job, so the process leaves with status 77 and the job masks the
+group. A group inside one process has no collective in its update: a
+failure there is the process's own and the job relaunches.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spare_jax import balancing, errors, recovery
+
+
+class _FailingStep:
+    def update(self, state, grad_sum, loss_sum, table):
+        raise jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer")
+
+
+class _Owner:
+    """The parts of `Trainer` that the update's failure path reads."""
+
+    _update = balancing.Balancing._update
+    _leave_group = recovery.ProcessLoss._leave_group
+
+    def __init__(self, spanning: bool):
+        self.spanning, self.t, self.state, self.step = spanning, 7, {"w": 0}, _FailingStep()
+        # 4 groups of 2 devices; groups 2 and 3 span processes (1, 2) and (2, 3).
+        self.owners = np.array([[0, 0], [1, 1], [1, 2], [2, 3]])
+
+
+class _Exit(Exception):
+    pass
+
+
+@pytest.fixture
+def exits(monkeypatch):
+    def _exit(status):
+        raise _Exit(status)
+
+    monkeypatch.setattr(os, "_exit", _exit)
+
+
+def _sums():
+    return jnp.zeros(2), jnp.zeros(()), jnp.asarray(True)
+
+
+def test_a_spanning_group_whose_update_failed_leaves_with_status_77(
+    exits, monkeypatch, capfd, tmp_path
+):
+    monkeypatch.setattr(jax, "process_index", lambda: 2)
+    monkeypatch.setenv("SPARE_JAX_LAUNCH_DIR", str(tmp_path))  # under the launcher: events
+    with pytest.raises(_Exit) as left:
+        _Owner(spanning=True)._update(_sums(), None)
+    assert left.value.args == (errors.EXIT_GROUP_LOST,)
+    out, err = capfd.readouterr()
+    events = [json.loads(line.split(": ", 1)[1]) for line in out.splitlines() if "event" in line]
+    assert {"kind": "group_lost", "process": 2, "groups": [2, 3], "step": 7} in events
+    assert "update of step 7 failed inside the group" in err and "Gloo all-reduce" in err
+
+
+def test_a_group_inside_one_process_whose_update_failed_relaunches(exits):
+    with pytest.raises(errors.Relaunch, match="step 7: the optimizer update failed"):
+        _Owner(spanning=False)._update(_sums(), None)
