@@ -120,3 +120,53 @@ def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, cas
         loaded = rows_loaded(tmp_path, p)
         assert loaded <= (STEPS + 4) * per_step < STEPS * global_rows, (p, loaded)
     lj.no_process_left(tmp_path)
+
+
+def test_a_spanning_job_resumes_and_rolls_back_exactly(env, tmp_path):
+    """Checkpoints written by every process of spanning groups restore exactly.
+
+    A job of 8 steps saves at 4 and 8 (every process its own shards); the same
+    command to 16 steps resumes from 8. In it one process of each group is
+    SIGKILLed at once: no group is left to go on with, the job relaunches and
+    rolls back to the latest complete checkpoint. Every process's parameters
+    at the end equal the single-device run of 16 steps.
+    """
+    processes, devices, mesh, groups, _, _, _ = CASES["4x2_fsdp_tensor"]
+
+    def command(steps: int) -> list[str]:
+        worker = lj.regression_command(
+            tmp_path, f"--steps={steps}", "--checkpoint_steps=4", f"--mesh={mesh}", "--input=units"
+        )
+        return [
+            lj.PYTHON,
+            "-m",
+            "spare_jax.launch",
+            f"--processes={processes}",
+            f"--devices_per_process={devices}",
+            "--heartbeat_s=5",
+            "--collective_timeout_s=10",
+            f"--launch_dir={tmp_path / 'launch'}",
+            "--",
+            *worker,
+        ]
+
+    first = lj.Job(command(8), tmp_path, env, log=tmp_path.parent / "first.launcher.log")
+    assert first.finish(timeout=400) == 0, first.output()[-3000:]
+    saved = [e["step"] for e in lj.events(tmp_path, "checkpoint")]
+    assert saved[-1] == 8, saved
+    job = lj.Job(command(STEPS), tmp_path, env)
+    try:
+        job.wait_for(job.step_reached(10), timeout=400, what="step 10")
+        for victim in (0, 2):  # groups 0 and 1: processes (0, 1) and (2, 3)
+            job.signal(victim, signal.SIGKILL)
+        code = job.finish(timeout=400)
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    resumes = lj.events(tmp_path, "resume")
+    assert resumes[0]["step"] == 8, resumes
+    (relaunch,) = lj.events(tmp_path, "relaunch")
+    assert relaunch["rolled_back"] and relaunch["to_step"] >= 8, relaunch
+    lj.assert_params(tmp_path, reference(groups), range(processes))
+    lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
+    lj.no_process_left(tmp_path)
