@@ -106,11 +106,6 @@ def check_scheduler(options: Options) -> None:
     """ValueError naming what is missing for ``options.scheduler``."""
     if options.scheduler not in SCHEDULERS:
         raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}")
-    if options.scheduler == "slurm" and options.replace_after_s is not None:
-        raise ValueError(
-            "--replace_after_s needs --scheduler=local: a running srun step cannot gain a task "
-            "(on SLURM a dead task comes back at the next relaunch)"
-        )
     if options.scheduler == "slurm":
         if shutil.which("srun") is None:
             raise ValueError("--scheduler=slurm needs srun on PATH (SLURM's client)")

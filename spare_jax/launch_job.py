@@ -71,8 +71,15 @@ class Job:
             self._spawn(worker, {})
 
     def _spawn(self, worker: Worker, extra: dict[str, str]) -> None:
+        """Start one worker here, or (a replacement under SLURM) as a one-task srun step."""
         env = {**self.job_env, multihost.ENV["process_id"]: str(worker.index), **extra}
         env[multihost.ENV["started_at"]] = repr(time.time())
+        if self.options.scheduler == "slurm":
+            worker.srun = True
+            step = slurm.replacement(self.options, self.step_name)
+            worker.proc = popen([*step, *self.command], env)
+            worker.watcher = self._start(self._watch_replacement, worker)
+            return
         worker.proc = popen(self.command, env)
         worker.watcher = self._start(self._watch, worker)
 
@@ -130,21 +137,40 @@ class Job:
     def _watch_srun(self) -> None:
         """The same for every task of the srun step (``--label``: each line says whose it is)."""
         logs: dict[int, Any] = {}
+        tasks = list(self.workers)  # the step's own: a replacement is a step of its own
         for line in self.srun.stdout:
             label, sep, rest = line.partition(": ")
             if sep and label.strip().isdigit() and int(label) < self.k:
-                self._line(self.workers[int(label)], rest, logs)
+                self._line(tasks[int(label)], rest, logs)
                 continue
             report = slurm.task_report(line)
             if report:
-                tasks, code = report
-                for i in tasks:
+                for i in report[0]:
                     if i < self.k:
-                        self.workers[i].exit_code = code
+                        tasks[i].exit_code = report[1]
         self.srun.wait()
-        for w in self.workers:  # srun names only the tasks that did not exit 0
+        for w in tasks:  # srun names only the tasks that did not exit 0
             if w.exit_code is None:
                 w.exit_code = self._unreported(w)
+        self._close_logs(logs)
+
+    def _watch_replacement(self, worker: Worker) -> None:
+        """A SLURM replacement's step: its output, then its status from srun's report."""
+        logs: dict[int, Any] = {}
+        reported = None
+        for line in worker.proc.stdout:
+            report = slurm.task_report(line)
+            if report:
+                reported = report[1]
+                continue
+            self._line(worker, line, logs)
+        worker.proc.wait()
+        if reported is not None:
+            worker.exit_code = reported
+        elif worker.proc.returncode == 0 or worker.finished:
+            worker.exit_code = 0
+        else:
+            worker.exit_code = worker.said_status if worker.said_status is not None else -9
         self._close_logs(logs)
 
     def _unreported(self, w: Worker) -> int:

@@ -34,6 +34,26 @@ def command(tasks: int, options: Options, name: str) -> list[str]:
     ]
 
 
+def replacement(options: Options, name: str) -> list[str]:
+    """A step of one task that replaces a dead one, named like the attempt's step.
+
+    A running step cannot gain a task, so the replacement is a step of its
+    own in the allocation, sharing its resources (``--overlap``). Its name is
+    the attempt's: ending the attempt cancels it with the rest.
+    """
+    return [
+        "srun",
+        "--kill-on-bad-exit=0",
+        "--unbuffered",
+        "--export=ALL",
+        *options.srun_args,
+        "--ntasks=1",  # after the user's srun arguments: one task, whatever they said
+        "--nodes=1",
+        "--overlap",
+        f"--job-name={name}",
+    ]
+
+
 def task_report(line: str) -> tuple[list[int], int] | None:
     """The tasks and their status (a signal as its negative) in one line of srun's report."""
     report = _SRUN_TASK.search(line.strip())

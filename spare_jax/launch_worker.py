@@ -99,10 +99,13 @@ class Worker:
     stopped: bool = False  # killed by the launcher ending the attempt
     tail: watch_lib.Tail = dataclasses.field(default_factory=watch_lib.Tail)
     watcher: threading.Thread | None = None  # the thread reading its output (local workers)
+    srun: bool = False  # a SLURM replacement: ``proc`` is its own srun step, read for its output
 
     @property
     def code(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else self.exit_code
+        if self.proc is None or self.srun:  # srun's report gives a task's status
+            return self.exit_code
+        return self.proc.poll()
 
     @property
     def lost(self) -> bool:
@@ -129,7 +132,7 @@ class Worker:
         if self.code is not None:
             return
         try:
-            if self.proc is not None:
+            if self.proc is not None and not self.srun:
                 self.proc.send_signal(sig)
             elif self.pid is not None and self.host == socket.gethostname():
                 os.kill(self.pid, sig)

@@ -261,10 +261,6 @@ CASES = [
         (("--heartbeat_s=0", "--", "true"), "zero heartbeat"),
         (("--devices_per_process=0", "--", "true"), "zero devices"),
         (("--replace_after_s=-1", "--", "true"), "negative replacement delay"),
-        (
-            ("--scheduler=slurm", "--replace_after_s=5", "--", "true"),
-            "a replacement asked of SLURM",
-        ),
     ),
     *_cases(
         REGRESSION,

@@ -21,7 +21,7 @@ from spare_jax import balancing, errors, recovery
 
 class _FailingStep:
     def update(self, state, grad_sum, loss_sum, table):
-        raise jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer")
+        raise jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset")
 
 
 class _Owner:

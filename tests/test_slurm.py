@@ -168,3 +168,40 @@ def test_an_attempt_ended_by_the_launcher_leaves_the_allocation_to_the_next(env,
     assert "revoked" not in out.split("salloc: Relinquishing")[0], out[-3000:]
     assert _queue_empty()
     lj.no_process_left(tmp_path)
+
+
+REJOIN_STEPS = 600  # long enough for a replacement to start, import JAX and join on 2 busy cores
+
+
+def test_a_killed_task_is_replaced_by_a_step_of_its_own_and_rejoins_exactly(env, tmp_path):
+    """``--replace_after_s`` under SLURM: the replacement is a one-task srun step in the
+    allocation, which joins the running job with a live peer's state; no relaunch."""
+    reference = lj.reference_params(REJOIN_STEPS)
+    worker = lj.regression_command(tmp_path, f"--steps={REJOIN_STEPS}", "--checkpoint_steps=50")
+    launcher = lj.launcher(tmp_path, worker, "--scheduler=slurm", "--replace_after_s=0.5")
+    job = lj.Job(["timeout", "-k", "10", "600", "salloc", "-n", "4", *launcher], tmp_path, env)
+    try:
+        job.wait_for(job.step_reached(3), what="step 3")
+        job.signal(2, signal.SIGKILL)
+        job.wait_for(
+            lambda: lj.events(tmp_path, "rejoin") or lj.gloo_aborted(tmp_path), what="a re-join"
+        )
+        code = job.finish()
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    if lj.gloo_aborted(tmp_path):  # a neighbour aborted in Gloo (docs/multihost.md): a relaunch
+        assert lj.events(tmp_path, "relaunch"), job.output()[-3000:]
+        lj.assert_params(tmp_path, reference, range(4))
+    else:
+        (back,) = lj.events(tmp_path, "rejoin")
+        assert back["process"] == [2] and back["move_s"] > 0, back
+        for name in ("relaunch", "rollback", "resume"):
+            assert not lj.events(tmp_path, name), (name, job.output()[-3000:])
+        steps = [r for r in lj.records(tmp_path) if "loss" in r]
+        assert [r["step"] for r in steps] == list(range(REJOIN_STEPS)), "no step repeated"
+        assert steps[-1]["live_groups"] == 4, "every group live at the end"
+        lj.assert_params(tmp_path, reference, range(4))  # the replacement's included
+        assert "starting a replacement for worker 2" in job.output()
+    assert _queue_empty()
+    lj.no_process_left(tmp_path)
