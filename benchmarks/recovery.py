@@ -28,7 +28,9 @@ run, medians over ``--repeats``:
 * **re-join**: worker 2 SIGKILLed from outside with ``--replace_after_s=0``:
   the replacement's start to its first step in the running job
   (``join_s``), the survivors' pause for it, the state moved and its
-  transfer time, beside the relaunch above;
+  transfer time, beside the relaunch above; then the same with a warm spare
+  (``--spares=1``: the replacement's place given to a process started with
+  the job, its imports done; ``join_s`` from that hand-over);
 * **preemption**: SIGTERM to the launcher in the middle of a run: from the
   notice to the end of the job (every worker saved the step reached and
   left), and the save itself.
@@ -145,7 +147,7 @@ def _command(workdir: str, args: list[str], kills: list[str], kill_step: int) ->
         ]
         return [
             *_launcher(workdir),
-            *(a for a in args if a.startswith("--replace_after_s=")),
+            *(a for a in args if a.startswith(("--replace_after_s=", "--spares="))),
             *kill_flags,
             "--",
             sys.executable,
@@ -420,6 +422,7 @@ def _neighbour_study(base: str) -> dict[str, dict]:
 
 HANG = "SPARe r=2, a worker SIGSTOPped (hang)"
 REJOIN = "SPARe r=2, a killed worker replaced (re-join)"
+REJOIN_SPARE = "SPARe r=2, a killed worker's place taken by a warm spare (re-join, --spares=1)"
 SECOND = "SPARe r=2, a second kill during recovery"
 PREEMPT = "preemption: SIGTERM to the launcher"
 
@@ -454,6 +457,13 @@ def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
             _rejoin_kill,
         )
         out.setdefault(REJOIN, []).append(_rejoin_figures(records))
+        records, _ = _outside(
+            os.path.join(base, f"rejoin-spare-run{rep}"),
+            [*spare, "--steps=400", "--replace_after_s=0", "--spares=1"],
+            [],
+            _rejoin_kill,
+        )
+        out.setdefault(REJOIN_SPARE, []).append(_rejoin_figures(records))
         records, extra = _outside(
             os.path.join(base, f"preempt-run{rep}"), [*spare, "--steps=400"], [], _preempt
         )
@@ -542,15 +552,16 @@ def main(argv: list[str]) -> None:
             f"(heartbeat {_HEARTBEAT.value} s)"
         )
     relaunch = medians[cases[-1][0]].get("total_s", float("nan"))
-    back = medians.get(REJOIN, {})
-    if "join_s" in back:
-        print(
-            f"a dead worker back in the job: re-join {back['join_s']:.2f} s from the "
-            f"replacement's start to its first step (survivors paused "
-            f"{back['survivors_pause_s']:.2f} s, state {back['bytes']:.0f} bytes in "
-            f"{back['transfer_s']:.2f} s) vs relaunch and restore {relaunch:.2f} s "
-            f"({back['join_s'] / relaunch:.2f}x)"
-        )
+    for name, how in ((REJOIN, "a new process"), (REJOIN_SPARE, "a warm spare")):
+        back = medians.get(name, {})
+        if "join_s" in back:
+            print(
+                f"a dead worker back in the job, {how}: re-join {back['join_s']:.2f} s from the "
+                f"replacement's start to its first step (survivors paused "
+                f"{back['survivors_pause_s']:.2f} s, state {back['bytes']:.0f} bytes in "
+                f"{back['transfer_s']:.2f} s) vs relaunch and restore {relaunch:.2f} s "
+                f"({back['join_s'] / relaunch:.2f}x)"
+            )
     for name, _, _ in cases[:-1][:2]:
         spare = medians[name].get("total_s", float("nan"))
         print(

@@ -55,6 +55,13 @@ _REPLACE_S = flags.DEFINE_float(
     "running job with a live peer's state (hot re-join). Unset: back at the next relaunch.",
     lower_bound=0.0,
 )
+_SPARES = flags.DEFINE_integer(
+    "spares",
+    0,
+    "With --replace_after_s: warm spares kept waiting with their imports done, so that a "
+    "replacement skips starting Python and JAX (python -m spare_jax.launch --help).",
+    lower_bound=0,
+)
 _EVICT_S = flags.DEFINE_float(
     "evict_after_s",
     30.0,
@@ -70,6 +77,7 @@ OWN_FLAGS = (
     "max_relaunches",
     "hang_timeout_s",
     "replace_after_s",
+    "spares",
 )
 # The launcher's timeouts for a job on one machine (a dead worker is seen in seconds).
 LOCAL = {"heartbeat_s": 3, "collective_timeout_s": 2}
@@ -137,6 +145,7 @@ def main(argv: list[str]) -> None:
         collective_timeout_s=timeouts["collective_timeout_s"],
         log_dir=os.path.join(workdir, "launch"),
         replace_after_s=_REPLACE_S.value,
+        spares=_SPARES.value,
         evict_after_s=_EVICT_S.value,
     )
     command = [sys.executable, train.__file__, *_passthrough(sys.argv)]

@@ -33,6 +33,7 @@ from absl import logging as absl_logging
 from spare_jax import checks, inputs, liveness, runlog, testing
 from spare_jax import compile_cache as cache_lib
 from spare_jax import train_step as step_lib
+from spare_jax.job_env import ENV
 from spare_jax.trainer import Trainer
 
 __all__ = ["FitResult", "fit"]
@@ -257,6 +258,11 @@ def fit(
             uncaught one exits the process with that status and one line.
     """
     _quiet_orbax()
+    if os.environ.get(ENV["spare"]):  # never given a place: it would train alone, beside the job
+        raise RuntimeError(
+            "this process is a launcher's warm spare (--spares), which waits in "
+            "spare_jax.initialize(); call spare_jax.initialize() first in the script"
+        )
     if not isinstance(step, step_lib.SpareStep):
         raise ValueError(f"step must come from spare_jax.make_train_step, got {type(step)!r}")
     if not callable(batches):

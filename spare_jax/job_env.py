@@ -21,4 +21,5 @@ ENV = {
     "kills": "SPARE_JAX_KILLS",  # the fault injector's cues, PROCESS=STEP,... (testing)
     "replacement": "SPARE_JAX_REPLACEMENT",  # set: this process replaces a dead one (re-join)
     "started_at": "SPARE_JAX_STARTED_AT",  # wall time the launcher started this process
+    "spare": "SPARE_JAX_SPARE",  # set: a warm spare, which waits on stdin for a dead worker's place
 }

@@ -106,6 +106,12 @@ def check_scheduler(options: Options) -> None:
     """ValueError naming what is missing for ``options.scheduler``."""
     if options.scheduler not in SCHEDULERS:
         raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}")
+    if options.spares and options.replace_after_s is None:
+        raise ValueError("--spares needs --replace_after_s: a spare takes a replacement's place")
+    if options.spares and options.scheduler != "local":
+        raise ValueError(
+            "--spares needs --scheduler=local (under SLURM a replacement is a step of its own)"
+        )
     if options.scheduler == "slurm":
         if shutil.which("srun") is None:
             raise ValueError("--scheduler=slurm needs srun on PATH (SLURM's client)")
@@ -281,6 +287,13 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
         "next relaunch.",
         lower_bound=0.0,
     )
+    _SPARES = flags.DEFINE_integer(
+        "spares",
+        0,
+        "With --replace_after_s: keep this many warm spares, started with the job and waiting "
+        "with the script's imports done, so that a replacement skips starting Python and JAX.",
+        lower_bound=0,
+    )
     _SERVE = flags.DEFINE_integer(
         "serve_port",
         None,
@@ -306,6 +319,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
         "_SRUN_ARG": _SRUN_ARG,
         "_PREEMPT_S": _PREEMPT_S,
         "_REPLACE_S": _REPLACE_S,
+        "_SPARES": _SPARES,
     }
 
 
@@ -348,6 +362,7 @@ def main(argv: list[str], f: dict[str, flags.FlagHolder]) -> None:
         scheduler=f["_SCHEDULER"].value,
         srun_args=tuple(f["_SRUN_ARG"].value),
         replace_after_s=f["_REPLACE_S"].value,
+        spares=f["_SPARES"].value,
         evict_after_s=f["_EVICT_S"].value,
         evict_steps=f["_EVICT_STEPS"].value,
     )

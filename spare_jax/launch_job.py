@@ -23,6 +23,7 @@ from typing import Any
 from spare_jax import errors, multihost, runlog
 from spare_jax import launch_slurm as slurm
 from spare_jax import launch_watch as watch_lib
+from spare_jax.launch_spares import Spares
 from spare_jax.launch_worker import NOT_A_VERDICT, Options, Worker, free_port, popen, say
 
 __all__ = ["Job", "Options", "Worker", "say"]
@@ -50,6 +51,7 @@ class Job:
         self._lock = threading.Lock()
         self._watchers: list[threading.Thread] = []
         self.srun: subprocess.Popen | None = None
+        self.spares: Spares | None = None  # warm spares (local scheduler)
         host = "localhost" if options.scheduler == "local" else slurm.coordinator_host()
         job_env = {
             **env,
@@ -69,17 +71,27 @@ class Job:
             return
         for worker in self.workers:
             self._spawn(worker, {})
+        if options.spares:  # started after the workers: they never compete with them to start
+            self.spares = Spares(
+                options.spares, command, job_env, options.log_dir, self._line, self._close_logs
+            )
 
     def _spawn(self, worker: Worker, extra: dict[str, str]) -> None:
         """Start one worker here, or (a replacement under SLURM) as a one-task srun step."""
         env = {**self.job_env, multihost.ENV["process_id"]: str(worker.index), **extra}
-        env[multihost.ENV["started_at"]] = repr(time.time())
+        started = multihost.ENV["started_at"]
+        env[started] = repr(time.time())
         if self.options.scheduler == "slurm":
             worker.srun = True
             step = slurm.replacement(self.options, self.step_name)
             worker.proc = popen([*step, *self.command], env)
             worker.watcher = self._start(self._watch_replacement, worker)
             return
+        replacing = multihost.ENV["replacement"] in extra
+        if replacing and self.spares is not None:
+            mine = {k: env[k] for k in (*extra, multihost.ENV["process_id"], started)}
+            if self.spares.take(worker, mine):
+                return
         worker.proc = popen(self.command, env)
         worker.watcher = self._start(self._watch, worker)
 
@@ -447,6 +459,8 @@ class Job:
     def kill(self) -> None:
         """SIGKILL every worker still running (JAX catches SIGTERM) and stop the service."""
         self.stopping = True
+        if self.spares is not None:
+            self.spares.kill()
         for w in self.workers:
             w.stopped = w.stopped or w.code is None
         for w in self.workers:

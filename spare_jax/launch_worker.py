@@ -54,6 +54,7 @@ class Options:
     scheduler: str = "local"  # "local": K processes here; "slurm": one srun step of K tasks
     srun_args: tuple[str, ...] = ()  # more srun options (e.g. --gpus-per-task=1)
     replace_after_s: float | None = None  # start a replacement this long after a loss (re-join)
+    spares: int = 0  # warm spares kept waiting for a replacement's place (local scheduler)
     evict_after_s: float = 30.0  # the eviction bound's floor (0: no eviction)
     evict_steps: float = 10.0  # the eviction bound in median steps, when longer
 
@@ -144,13 +145,16 @@ class Worker:
             pass
 
 
-def popen(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
-    """A child whose output (stdout and stderr, as text lines) the launcher reads."""
+def popen(command: Sequence[str], env: dict[str, str], stdin: bool = False) -> subprocess.Popen:
+    """A child whose output (stdout and stderr, as text lines) the launcher reads.
+
+    ``stdin``: a pipe the launcher writes to (a warm spare's assignment).
+    """
     return subprocess.Popen(
         list(command),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
         text=True,
         errors="replace",
         env=env,

@@ -34,19 +34,21 @@ with JAX's own machinery (``jax.distributed`` and its coordination service):
   A launcher (``python -m spare_jax.launch``) tells each worker where the
   service is, its index and the count through ``SPARE_JAX_*`` variables
   (`ENV`); a worker declared dead that wakes up (a stall past the heartbeat)
-  leaves with one line and `EXIT_DECLARED_DEAD` instead of a fatal error.
+  leaves with one line and `EXIT_DECLARED_DEAD` instead of a fatal error. A
+  warm spare (``--spares``) waits there, its imports done, until the launcher
+  gives it a dead worker's place.
 
 The service, client-only start-up and the started-backend check use JAX
 internals that the public API does not expose yet; they live in
-`spare_jax.jax_internals`, which checks them at import. A killed process
-cannot re-join the same job on CPU (gloo's rendezvous keys carry no
-incarnation); re-join happens at a relaunch.
+`spare_jax.jax_internals`, which checks them at import. A replacement joins
+the running job through `spare_jax.rejoin` (hot re-join).
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -229,6 +231,8 @@ def initialize_job(
         raise RuntimeError(
             "spare_jax.initialize() must run before any JAX computation or device query"
         )
+    if os.environ.get(ENV["spare"]):
+        _take_a_place()
     given = {  # a keyword that contradicts the launcher's variable would split the job
         "coordinator": ("coordinator_address", coordinator_address),
         "num_processes": ("num_processes", num_processes),
@@ -285,6 +289,20 @@ def initialize_job(
     _install_exit_handlers(joined=True)
     runlog.emit("hello", process=index, pid=os.getpid(), host=socket.gethostname())
     return True
+
+
+def _take_a_place() -> None:
+    """A warm spare: wait here, Python and the script's imports done, for a dead worker's place.
+
+    The launcher writes one JSON line on stdin, the variables of the worker it
+    replaces (its process id among them); the end of stdin (the launcher gone or
+    the attempt over) ends the spare.
+    """
+    line = sys.stdin.readline()
+    if not line.strip():
+        os._exit(0)
+    os.environ.pop(ENV["spare"], None)
+    os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
 
 
 def leave(timeout_s: float = 15.0) -> bool:

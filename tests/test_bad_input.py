@@ -261,6 +261,8 @@ CASES = [
         (("--heartbeat_s=0", "--", "true"), "zero heartbeat"),
         (("--devices_per_process=0", "--", "true"), "zero devices"),
         (("--replace_after_s=-1", "--", "true"), "negative replacement delay"),
+        (("--spares=1", "--", "true"), "spares with no replacement"),
+        (("--spares=-1", "--replace_after_s=0", "--", "true"), "negative spares"),
     ),
     *_cases(
         REGRESSION,

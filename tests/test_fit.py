@@ -149,6 +149,21 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_a_warm_spare_that_reaches_fit_unplaced_stops_before_any_file(tmp_path, monkeypatch):
+    """A launcher's spare waits in spare_jax.initialize(); a script that skips it must not
+    train alone beside the job, in its work directory."""
+    monkeypatch.setenv("SPARE_JAX_SPARE", "1")
+    with pytest.raises(RuntimeError, match="call spare_jax.initialize\\(\\) first"):
+        spare_jax.fit(
+            _step(),
+            regression.init_params(),
+            regression.batches,
+            steps=2,
+            workdir=str(tmp_path / "run"),
+        )
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow  # starts processes: run after the README's command
 def test_a_process_sigkilled_from_outside_resumes_when_rerun(tmp_path, tmp_path_factory):
     env = lj.env(tmp_path_factory.mktemp("cache"))

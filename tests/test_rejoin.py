@@ -45,9 +45,9 @@ def reference():
     return lj.reference_params(STEPS)
 
 
-def _start(env, workdir: pathlib.Path) -> lj.Job:
+def _start(env, workdir: pathlib.Path, flags: tuple[str, ...] = ()) -> lj.Job:
     worker = lj.regression_command(workdir, f"--steps={STEPS}", "--checkpoint_steps=50")
-    return lj.Job(lj.launcher(workdir, worker, "--replace_after_s=0.5"), workdir, env)
+    return lj.Job(lj.launcher(workdir, worker, "--replace_after_s=0.5", *flags), workdir, env)
 
 
 def _kill_and_wait_for_rejoin(
@@ -63,10 +63,10 @@ def _kill_and_wait_for_rejoin(
     )
 
 
-def _run(env, workdir: pathlib.Path, victims: list[tuple[int, int]]) -> bool:
+def _run(env, workdir: pathlib.Path, victims: list[tuple[int, int]], flags=()) -> bool:
     """One job; each (process, steps, signal) sent that many steps after the last re-join (or
     the start). True when every one re-joined."""
-    job = _start(env, workdir)
+    job = _start(env, workdir, flags)
     try:
         for n, (process, after, sig) in enumerate(victims, start=1):
             _kill_and_wait_for_rejoin(job, process, after, sig, n)
@@ -116,7 +116,7 @@ def _false_alarm(workdir: pathlib.Path, victims) -> bool:
     return any(ALIVE_FAILED in log.read_text(errors="replace") for log in logs)
 
 
-def _scenario(env, tmp_path: pathlib.Path, reference, victims) -> None:
+def _scenario(env, tmp_path: pathlib.Path, reference, victims, flags=()) -> pathlib.Path:
     """On CPU a neighbour of a peer killed mid-collective can abort in Gloo
     (docs/multihost.md): then, with that evidence in its log, the job must have
     relaunched and ended exact, and the scenario runs once more. The same when a
@@ -125,7 +125,7 @@ def _scenario(env, tmp_path: pathlib.Path, reference, victims) -> None:
     for attempt in range(2):
         workdir = tmp_path / f"run{attempt}"
         workdir.mkdir()
-        if _run(env, workdir, victims):
+        if _run(env, workdir, victims, flags):
             if attempt == 0 and _false_alarm(workdir, victims):
                 lj.assert_params(workdir, reference, range(4))
                 steps = [r for r in lj.records(workdir) if "loss" in r]
@@ -133,7 +133,7 @@ def _scenario(env, tmp_path: pathlib.Path, reference, victims) -> None:
                 lj.no_process_left(workdir)
                 continue
             _check(workdir, reference, victims)
-            return
+            return workdir
         assert lj.events(workdir, "relaunch"), "a neighbour aborted: the job must relaunch"
         lj.assert_params(workdir, reference, range(4))
         lj.no_process_left(workdir)
@@ -151,3 +151,13 @@ def test_two_workers_in_turn_the_writer_second_are_replaced_and_rejoin(env, tmp_
     # Stopped, not killed: killed in the middle of a collective, its neighbour often aborts
     # in Gloo on CPU (docs/multihost.md); a stopped process is declared dead, then killed.
     _scenario(env, tmp_path, reference, [(2, 8, signal.SIGKILL), (0, 5, signal.SIGSTOP)])
+
+
+@pytest.mark.slow
+def test_a_warm_spare_takes_a_killed_workers_place_and_rejoins_exactly(env, tmp_path, reference):
+    """``--spares=1``: the replacement is a spare started with the job, waiting with its
+    imports done; it joins as a fresh replacement would, and a new spare waits behind it."""
+    workdir = _scenario(env, tmp_path, reference, [(2, 8, signal.SIGKILL)], ("--spares=1",))
+    said = (workdir.parent / f"{workdir.name}.launcher.log").read_text(errors="replace")
+    assert "spare 1 takes worker 2's place" in said, said[-3000:]
+    assert "starting a replacement for worker 2" in said
