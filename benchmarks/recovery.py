@@ -423,6 +423,7 @@ def _neighbour_study(base: str) -> dict[str, dict]:
 HANG = "SPARe r=2, a worker SIGSTOPped (hang)"
 REJOIN = "SPARe r=2, a killed worker replaced (re-join)"
 REJOIN_SPARE = "SPARe r=2, a killed worker's place taken by a warm spare (re-join, --spares=1)"
+SPARE = ["--spares=1"]
 SECOND = "SPARe r=2, a second kill during recovery"
 PREEMPT = "preemption: SIGTERM to the launcher"
 
@@ -450,20 +451,14 @@ def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
             os.path.join(base, f"second-run{rep}"), spare, ["KILL:1"], _second_kill
         )
         out.setdefault(SECOND, []).append(_second_figures(records, extra))
-        records, _ = _outside(
-            os.path.join(base, f"rejoin-run{rep}"),
-            [*spare, "--steps=400", "--replace_after_s=0"],
-            [],
-            _rejoin_kill,
-        )
-        out.setdefault(REJOIN, []).append(_rejoin_figures(records))
-        records, _ = _outside(
-            os.path.join(base, f"rejoin-spare-run{rep}"),
-            [*spare, "--steps=400", "--replace_after_s=0", "--spares=1"],
-            [],
-            _rejoin_kill,
-        )
-        out.setdefault(REJOIN_SPARE, []).append(_rejoin_figures(records))
+        for name, run, more in ((REJOIN, "rejoin", []), (REJOIN_SPARE, "rejoin-spare", SPARE)):
+            records, _ = _outside(
+                os.path.join(base, f"{run}-run{rep}"),
+                [*spare, "--steps=400", "--replace_after_s=0", *more],
+                [],
+                _rejoin_kill,
+            )
+            out.setdefault(name, []).append(_rejoin_figures(records))
         records, extra = _outside(
             os.path.join(base, f"preempt-run{rep}"), [*spare, "--steps=400"], [], _preempt
         )

@@ -203,8 +203,7 @@ def pipelined(chunks: int, rows: int) -> bool:
     chunks (a large state) take the chain; a small state to many groups takes
     the doubling.
     """
-    rounds = max(math.ceil(math.log2(rows)), 1) if rows > 1 else 0
-    return rows > 2 and chunks + rows - 2 < chunks * rounds
+    return rows > 2 and chunks + rows - 2 < chunks * math.ceil(math.log2(rows))
 
 
 def _program(mesh: Mesh, source_row: int, chain: bool) -> tuple[Any, NamedSharding]:

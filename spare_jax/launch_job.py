@@ -163,7 +163,7 @@ class Job:
         self.srun.wait()
         for w in tasks:  # srun names only the tasks that did not exit 0
             if w.exit_code is None:
-                w.exit_code = self._unreported(w)
+                w.exit_code = self._unreported(w, self.srun)
         self._close_logs(logs)
 
     def _watch_replacement(self, worker: Worker) -> None:
@@ -177,23 +177,20 @@ class Job:
                 continue
             self._line(worker, line, logs)
         worker.proc.wait()
-        if reported is not None:
-            worker.exit_code = reported
-        elif worker.proc.returncode == 0 or worker.finished:
-            worker.exit_code = 0
-        else:
-            worker.exit_code = worker.said_status if worker.said_status is not None else -9
+        if reported is None:
+            reported = self._unreported(worker, worker.proc)
+        worker.exit_code = reported
         self._close_logs(logs)
 
-    def _unreported(self, w: Worker) -> int:
-        """The status of a task that srun's report did not name.
+    def _unreported(self, w: Worker, srun: subprocess.Popen) -> int:
+        """The status of a task of the step ``srun`` that srun's report did not name.
 
         A step that exits 0 names none; after a failed step, a task counts as
         having exited 0 only when it said so (its ``exit`` or ``finished`` event):
         a report line lost or garbled must never turn a broken attempt into a
         complete one.
         """
-        if self.srun is None or self.srun.returncode == 0:
+        if srun.returncode == 0:
             return 0
         if w.said_status is not None:
             return w.said_status

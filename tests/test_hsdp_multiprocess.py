@@ -65,13 +65,18 @@ def rows_loaded(workdir, process: int) -> int:
     return int(re.findall(r"done: step \d+, loss \S+, rows loaded (\d+)", log)[-1])
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, case):
-    processes, devices, mesh, groups, parts, victim, mate = CASES[case]
+def _launcher(
+    workdir, processes: int, devices: int, mesh: str, steps: int, checkpoint_steps: int
+) -> list[str]:
+    """``experiments/regression.py`` on ``mesh`` with per-unit input, under the launcher."""
     worker = lj.regression_command(
-        tmp_path, f"--steps={STEPS}", "--checkpoint_steps=50", f"--mesh={mesh}", "--input=units"
+        workdir,
+        f"--steps={steps}",
+        f"--checkpoint_steps={checkpoint_steps}",
+        f"--mesh={mesh}",
+        "--input=units",
     )
-    command = [
+    return [
         lj.PYTHON,
         "-m",
         "spare_jax.launch",
@@ -80,10 +85,16 @@ def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, cas
         "--heartbeat_s=5",
         # 8 processes on 2 busy cores: a peer still compiling must not read as dead.
         "--collective_timeout_s=10",
-        f"--launch_dir={tmp_path / 'launch'}",
+        f"--launch_dir={workdir / 'launch'}",
         "--",
         *worker,
     ]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, case):
+    processes, devices, mesh, groups, parts, victim, mate = CASES[case]
+    command = _launcher(tmp_path, processes, devices, mesh, STEPS, checkpoint_steps=50)
     job = lj.Job(command, tmp_path, env)
     try:
         job.wait_for(job.step_reached(4), timeout=400, what="step 4")
@@ -134,21 +145,7 @@ def test_a_spanning_job_resumes_and_rolls_back_exactly(env, tmp_path):
     processes, devices, mesh, groups, _, _, _ = CASES["4x2_fsdp_tensor"]
 
     def command(steps: int) -> list[str]:
-        worker = lj.regression_command(
-            tmp_path, f"--steps={steps}", "--checkpoint_steps=4", f"--mesh={mesh}", "--input=units"
-        )
-        return [
-            lj.PYTHON,
-            "-m",
-            "spare_jax.launch",
-            f"--processes={processes}",
-            f"--devices_per_process={devices}",
-            "--heartbeat_s=5",
-            "--collective_timeout_s=10",
-            f"--launch_dir={tmp_path / 'launch'}",
-            "--",
-            *worker,
-        ]
+        return _launcher(tmp_path, processes, devices, mesh, steps, checkpoint_steps=4)
 
     first = lj.Job(command(8), tmp_path, env, log=tmp_path.parent / "first.launcher.log")
     assert first.finish(timeout=400) == 0, first.output()[-3000:]
