@@ -103,7 +103,9 @@ def _job(workdir: str, size_mb: int) -> dict:
         "--processes=3",
         "--devices_per_process=1",
         "--heartbeat_s=10",
-        "--collective_timeout_s=300",
+        # A survivor may wait in a collective that its peer left on the dead one's error until
+        # this passes; the whole state's all-reduce must fit in it (300 s at 1.2 GB).
+        f"--collective_timeout_s={max(30, size_mb // 4)}",
         "--replace_after_s=0",
         f"--kill={_KILL_STEP.value}:1",
         f"--launch_dir={os.path.join(workdir, 'launch')}",
@@ -153,9 +155,9 @@ def _job(workdir: str, size_mb: int) -> dict:
         figures.update(
             {k: e[k] for k in ("bytes", "move_s", "move_mb_s", "transfer_s", "join_s") if k in e}
         )
-    if not rejoins:
-        tail = pathlib.Path(workdir, "launcher.log").read_text(errors="replace")
-        figures["error"] = tail.strip()[-300:]
+    if not rejoins or figures["relaunched"]:  # the launcher's own lines say why
+        lines = pathlib.Path(workdir, "launcher.log").read_text(errors="replace").splitlines()
+        figures["error"] = "\n".join(x for x in lines if x.startswith("launch: "))[-1500:]
     return figures
 
 

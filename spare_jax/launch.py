@@ -21,7 +21,9 @@ A worker that stops while alive (a data loader blocked on a hung file system,
 a stuck kernel; its heartbeat goes on) is evicted: each worker says where it
 is (`spare_jax.runlog.at`), and one that stands still behind peers that have
 waited for it longer than max(``--evict_after_s``, ``--evict_steps`` median
-steps) is SIGKILLed and masked like a killed one, without a relaunch; a worker
+steps) is SIGKILLed and masked like a killed one, without a relaunch (a worker
+inside the step is first given ``--collective_timeout_s``: it may be waiting
+in a collective that a peer left on a dead process's error); a worker
 checkpointing, restoring or compiling is never evicted
 (`spare_jax.launch_watch`). A worker that crashes the same way in two attempts
 in a row (a bug in the script) stops the job instead of relaunching it again.
@@ -231,7 +233,8 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
     _COLLECTIVE_TIMEOUT_S = flags.DEFINE_integer(
         "collective_timeout_s",
         2,
-        "CPU only: seconds before a collective with a dead peer fails.",
+        "CPU only: seconds before a collective with a dead peer fails (a worker inside a step "
+        "is not evicted before this has passed).",
         lower_bound=1,
     )
     _GRACE_S = flags.DEFINE_float(

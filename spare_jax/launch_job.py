@@ -46,7 +46,9 @@ class Job:
         self.resumed = False
         self.preempted_at: float | None = None
         self._said: set[str] = set()
-        self.watch = watch_lib.Watch(options.evict_after_s, options.evict_steps)
+        self.watch = watch_lib.Watch(
+            options.evict_after_s, options.evict_steps, options.collective_timeout_s
+        )
         self.stopping = False  # the launcher is killing what is left: no more death lines
         self._lock = threading.Lock()
         self._watchers: list[threading.Thread] = []
@@ -436,14 +438,15 @@ class Job:
         Survivors see a loss within the heartbeat and the collective timeouts
         and then make progress again; a death while they rebuild their
         collectives can leave them waiting on it for good. Allowed: four
-        heartbeats plus three typical steps.
+        heartbeats, one collective timeout and three typical steps.
         """
         died = [w for w in self.workers if w.code is not None and w.code < 0 and not w.lost]
         if not died or any(w.code == 0 for w in self.workers):
             return False
         gaps = sorted(self.gaps[-20:])
         step_s = gaps[len(gaps) // 2] if gaps else 1.0
-        return now - self.progress > 4 * self.options.heartbeat_s + 3 * step_s
+        allowed = 4 * self.options.heartbeat_s + self.options.collective_timeout_s + 3 * step_s
+        return now - self.progress > allowed
 
     def verdict(self) -> tuple[int, str]:
         """The first worker verdict: its status and its last line."""

@@ -12,7 +12,11 @@ exit statuses it sees and acts on the answers.
   while it has stood still, not busy, at the rearmost position of all (an
   earlier step, the same step not yet entered, or not yet left): its peers
   cannot finish that step without it. The bound is
-  ``max(floor_s, steps x the median step time)`` the workers report. A
+  ``max(floor_s, steps x the median step time)`` the workers report; for a
+  worker inside the step, at least the CPU collective timeout after a typical
+  step plus 5 s (`Watch.inside`): a peer that left a collective on an error
+  (a dead process's) leaves the others waiting in it until it times out, and
+  they then reach the live-set check by themselves. A
   busy worker is making progress and is never evicted; a worker whose peers
   all stand still too (every process in the same place) is not told apart
   from a slow step, and is left to the launcher's ``--hang_timeout_s``.
@@ -36,6 +40,7 @@ __all__ = ["Position", "Signature", "Tail", "Watch", "death_line", "status_name"
 
 _RANK = {phase: i for i, phase in enumerate(STEP_PHASES)}
 _WAITING = ("step", "sync")
+_REPORT_S = 5.0  # a worker freed from a collective says so within this (a loaded machine)
 _WHERE = {
     "data": "building the batch of step {}",
     "step": "inside step {}",
@@ -67,10 +72,13 @@ class Watch:
     Args:
         floor_s: the bound's floor in seconds; 0 turns eviction off.
         steps: the bound in median steps, when that is longer.
+        collective_s: the CPU collective timeout: how long a worker may wait
+            inside a collective that a peer has left.
     """
 
-    def __init__(self, floor_s: float, steps: float = 10.0):
+    def __init__(self, floor_s: float, steps: float = 10.0, collective_s: float = 0.0):
         self.floor_s, self.steps = float(floor_s), float(steps)
+        self.collective_s = float(collective_s)
         self.positions: dict[int, Position] = {}
 
     def seen(self, index: int, step: int, phase: str, step_s: float, now: float) -> None:
@@ -85,11 +93,18 @@ class Watch:
         """A worker gone (dead, evicted, finished): it neither waits nor holds anyone up."""
         self.positions.pop(index, None)
 
+    def _typical(self) -> float:
+        times = [p.step_s for p in self.positions.values() if p.step_s > 0]
+        return statistics.median(times) if times else 0.0
+
     def bound(self) -> float:
         """Seconds a worker may stand still behind peers waiting for it."""
-        times = [p.step_s for p in self.positions.values() if p.step_s > 0]
-        typical = statistics.median(times) if times else 0.0
-        return max(self.floor_s, self.steps * typical)
+        return max(self.floor_s, self.steps * self._typical())
+
+    def inside(self) -> float:
+        """Seconds a worker may stand still inside the step: the bound, or its collective's
+        timeout after a typical step's compute (plus 5 s to report), when that is longer."""
+        return max(self.bound(), self.collective_s + self._typical() + _REPORT_S)
 
     def stuck(self, now: float, live: Iterable[int]) -> list[tuple[int, str]]:
         """Workers to evict now, each with the reason in words; [] when eviction is off."""
@@ -105,12 +120,13 @@ class Watch:
         rear = min((p.key for p in mine.values() if not p.busy), default=front.key)
         out = []
         for i, p in sorted(mine.items()):
-            if p.busy or p.key != rear or rear >= front.key or now - p.since < bound:
+            own = self.inside() if p.phase == "step" else bound
+            if p.busy or p.key != rear or rear >= front.key or now - p.since < own:
                 continue
             where = _WHERE.get(p.phase, "at step {} (" + p.phase + ")").format(p.step)
             reason = (
                 f"no progress for {now - p.since:.0f} s {where} while its peers waited for it "
-                f"in step {front.step} for {now - front.since:.0f} s (bound {bound:.0f} s)"
+                f"in step {front.step} for {now - front.since:.0f} s (bound {own:.0f} s)"
             )
             out.append((i, reason))
         return out

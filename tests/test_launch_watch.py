@@ -34,6 +34,21 @@ def test_a_worker_inside_the_step_its_peers_have_left_is_evicted():
     assert [i for i, _ in watch.stuck(31.0, range(3))] == [1]
 
 
+def test_a_worker_inside_the_step_is_first_given_the_collective_timeout():
+    """A peer that left a collective on a dead process's error leaves the others in it until
+    the CPU collective timeout: they reach the live-set check then, and are not evicted."""
+    positions = {0: (8, "sync", 0.0), 1: (8, "step", 0.0), 2: (8, "sync", 0.0)}
+    watch = _watch(positions)
+    watch.collective_s = 300.0
+    assert watch.inside() == pytest.approx(305.1)  # the timeout, a 0.1 s step, 5 s to report
+    assert watch.stuck(31.0, range(3)) == [] and watch.stuck(305.0, range(3)) == []
+    ((index, reason),) = watch.stuck(306.0, range(3))
+    assert index == 1 and "inside step 8" in reason and "bound 305 s" in reason
+    behind = _watch({0: (8, "sync", 0.0), 1: (8, "data", 0.0)})  # not in a collective
+    behind.collective_s = 300.0
+    assert [i for i, _ in behind.stuck(31.0, range(2))] == [1]
+
+
 def test_busy_workers_and_workers_level_with_their_peers_are_never_evicted():
     for busy in runlog.BUSY_PHASES:
         watch = _watch({0: (8, "sync", 0.0), 1: (8, busy, 0.0)})
