@@ -3,7 +3,9 @@
 The survivors see the newcomer in a step's live-set check, on every process
 at once (`Admission._newcomers`); they hand it the state (`_admit`) and grow
 the mesh back (`_regrow`); the newcomer takes the state and the job's books
-(`_join`). The transport is `spare_jax.rejoin`.
+(`_join`). The transport is `spare_jax.rejoin`. The same backend reset with
+no newcomer rebuilds collectives that a stalled peer left closed
+(`_rebuild_collectives`).
 """
 
 from __future__ import annotations
@@ -104,6 +106,59 @@ class Admission:
         rejoin.done(epoch, moved.bytes)
         self._joined(epoch, start, moved)
         runlog.notice(f"joined the running job at step {self.t} with the state of a live group")
+
+    def _rebuild_collectives(self, why: str) -> None:
+        """Every live process drops its CPU collectives and builds them anew, state kept.
+
+        A Gloo pair that timed out (a peer stalled past the collective timeout)
+        stays closed in the communicator every process caches, so retrying the
+        step on it fails the same way. The way out is the re-join's, with no
+        newcomer: each process keeps its own shards on the host (never more
+        than it holds), resets its backend with the others (`rejoin.reset_backend`)
+        and places them again; the step's programs come back from the
+        persistent compilation cache.
+        """
+        start = time.time()
+        self._at("compile")  # busy: rebuilding, then compiling (from the cache)
+        self._wait_for_saves()
+        shards = [multihost.own_shards(x) for x in jax.tree.leaves(self.state)]
+        self.params0 = jax.tree.map(_host, self.params0)
+        rows = self.live_groups
+        name = f"rebuild/{self.rollbacks}/{self.t}/{self._transient}"  # the same on every process
+        epoch = rejoin.Epoch(rejoin.live_incarnations(), [], name=name)
+        self.state, self.step, self._ready, self._next = None, None, {}, None
+        try:
+            rejoin.reset_backend(epoch, fresh=False)
+        except jax.errors.JaxRuntimeError as err:  # a process went on without us: start afresh
+            raise errors.Relaunch(
+                f"step {self.t}: the live processes did not all rebuild their collectives "
+                f"({str(err).splitlines()[0][:160]}); a fresh job resumes"
+            ) from None
+        self._regrow(epoch, rows)
+        placed = [
+            multihost.from_shards(own, like)
+            for own, like in zip(shards, jax.tree.leaves(self._live_abstract()), strict=True)
+        ]
+        del shards
+        self.state = jax.tree.unflatten(jax.tree.structure(self.global_abstract), placed)
+        rebuilt = time.time()
+        self._check_input = True
+        stacks, rows = inputs.load(self.step, self.batches, self.t)
+        self.input_rows += rows
+        self._next = (self.step, self.t, stacks, rows)
+        hits = compile_cache.counts()["cache_hits"]
+        compile_s = self.step.precompile(self.state, stacks)
+        self.log.event(
+            "collectives_rebuilt",
+            step=self.t,
+            reason=why,
+            rebuild_s=round(rebuilt - start, 6),
+            compile_s=round(compile_s, 6),
+            cache_hits=compile_cache.counts()["cache_hits"] - hits,
+        )
+        runlog.notice(
+            f"step {self.t}: every live process rebuilt its collectives ({why}); retrying the step"
+        )
 
     def _live_abstract(self) -> Any:
         """The state's shapes, dtypes and shardings on the step's (live) mesh."""

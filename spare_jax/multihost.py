@@ -73,6 +73,7 @@ __all__ = [
     "GPU_RECOVERY_FLAGS",
     "collective_timeout_flag",
     "from_local",
+    "from_shards",
     "global_mesh",
     "group_processes",
     "groups_touching",
@@ -82,6 +83,7 @@ __all__ = [
     "leave",
     "local_view",
     "on_mesh",
+    "own_shards",
     "reshard",
     "serve",
     "survivors_mesh",
@@ -433,11 +435,30 @@ def host_copy(x: jax.Array) -> np.ndarray:
     out = np.empty(x.shape, x.dtype)
     copied: set[tuple] = set()
     for shard in x.addressable_shards:
-        key = tuple((s.start, s.stop, s.step) for s in shard.index)
+        key = _index_key(shard.index)
         if key not in copied:
             copied.add(key)
             out[shard.index] = np.asarray(shard.data)
     return out
+
+
+def own_shards(x: jax.Array) -> dict[tuple, np.ndarray]:
+    """This process's distinct shards of ``x`` on the host, by index: no more than it holds."""
+    out: dict[tuple, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        out.setdefault(_index_key(shard.index), np.asarray(shard.data))
+    return out
+
+
+def from_shards(shards: dict[tuple, np.ndarray], like: jax.ShapeDtypeStruct) -> jax.Array:
+    """The global array ``like`` from every process's `own_shards` (its inverse)."""
+    return jax.make_array_from_callback(
+        like.shape, like.sharding, lambda index: shards[_index_key(index)]
+    )
+
+
+def _index_key(index: tuple) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def local_view(state: Any) -> Any:

@@ -32,7 +32,9 @@ from spare_jax import (
 )
 from spare_jax import train_step as step_lib
 
-__all__ = ["ProcessLoss"]
+__all__ = ["RETRIES", "ProcessLoss"]
+
+RETRIES = 3  # a step failed by collectives with every process alive is tried this often again
 
 
 class ProcessLoss:
@@ -142,6 +144,33 @@ class ProcessLoss:
         self.recovering = {"origin": origin, "detected": detected, "resumed": time.time()}
         self._resync = True
         self._check_input = True
+
+    def _collective_failed(self, error: str) -> None:
+        """A collective failed with every process alive: retry the step, all together.
+
+        Every process saw it (a peer stalled past the CPU collective timeout:
+        each of its partners timed out, and it found their pairs closed when
+        it woke). The first retry runs on the same collectives; from the
+        second failure in a row on, every process rebuilds them first (a pair
+        that timed out stays closed: `_rebuild_collectives`). After
+        `RETRIES` failures in a row the job relaunches.
+        """
+        if self._transient >= RETRIES:
+            raise errors.Relaunch(
+                f"step {self.t}: collectives failed {self._transient + 1} times with every "
+                f"process alive, the last time on rebuilt ones ({error}): a worker lags its "
+                "peers past the CPU collective timeout (collective_timeout_s; a slow worker "
+                "needs a longer one)"
+            )
+        self._transient += 1
+        if self._transient == 1:
+            runlog.notice(
+                f"step {self.t}: a collective failed with every process alive ({error}); "
+                "retrying the step"
+            )
+        else:
+            self._rebuild_collectives(f"a collective failed again: {error}")
+        self._resync = True
 
     def _left(self, procs: list[int]) -> None:
         """Processes whose groups were already masked are gone: the books only, no new step."""

@@ -97,12 +97,14 @@ class Epoch:
     ``live`` is the process -> incarnation map `live_devices` holds after the
     block in which the newcomers appeared: the same on every process, so its
     digest names the barriers and the key-value entries of this re-join.
+    ``name`` tells apart two changes over one live set (rebuilt collectives,
+    `Admission._rebuild_collectives`, which have no newcomers).
     """
 
-    def __init__(self, live: dict[int, str], joiners: Sequence[int]):
+    def __init__(self, live: dict[int, str], joiners: Sequence[int], name: str = ""):
         self.live = dict(sorted(live.items()))
         self.joiners = sorted({int(p) for p in joiners})
-        text = json.dumps(sorted(self.live.items())).encode()
+        text = json.dumps([sorted(self.live.items()), name]).encode()
         self.tag = hashlib.sha1(text).hexdigest()[:16]
 
     @property

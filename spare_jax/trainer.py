@@ -46,7 +46,6 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from spare_jax import checkpoint as ckpt_lib
 from spare_jax import (
     compile_cache,
-    errors,
     fingerprint,
     inputs,
     liveness,
@@ -63,8 +62,6 @@ from spare_jax.recovery import ProcessLoss
 from spare_jax.saving import Saving
 
 __all__ = ["Trainer", "host_scalar"]
-
-_TRANSIENT_RETRIES = 3
 
 
 def host_scalar(x: jax.Array) -> Any:
@@ -404,30 +401,19 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
             except reorder.Interruption as err:
                 self.rollback(err)
                 continue
-            started = time.time()
+            started, failed = time.time(), ""
             try:
                 record = self._execute(table, load)
             except ProcessFailureError as err:
                 self._lose(err, started)
                 retry = True
                 continue
-            except jax.errors.JaxRuntimeError as err:
-                # Every process alive, yet a collective failed (a peer slower than the
-                # CPU collective timeout): all of them saw it; retry the same step.
+            except jax.errors.JaxRuntimeError as err:  # every process alive
                 if not self.multi:
                     raise
-                if self._transient >= _TRANSIENT_RETRIES:
-                    raise errors.Relaunch(
-                        f"step {self.t}: collectives failed {self._transient + 1} times with "
-                        "every process alive: a worker lags its peers past the CPU collective "
-                        "timeout (collective_timeout_s; a slow worker needs a longer one)"
-                    ) from err
-                self._transient += 1
-                runlog.notice(
-                    f"step {self.t}: a collective failed with every process alive "
-                    f"({str(err).splitlines()[0][:160]}); retrying the step"
-                )
-                self._resync = True
+                failed = str(err).splitlines()[0][:160] or type(err).__name__
+            if failed:  # out of the handler, whose traceback holds the failed step's arrays
+                self._collective_failed(failed)
                 retry = True
                 continue
             self._transient = 0

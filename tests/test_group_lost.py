@@ -1,4 +1,5 @@
-"""A failed optimizer update: a group spanning processes leaves the job; otherwise a relaunch.
+"""Failure paths without processes: a failed optimizer update (a group spanning processes
+leaves the job; otherwise a relaunch) and a failed collective with every process alive.
 
 The update takes the state (donated), so a process whose update failed has
 no state to go on with. When its group spans processes, the failure is a
@@ -6,6 +7,10 @@ collective inside the group (a group-mate died in it): the group is lost,
 not the job, so the process leaves with status 77 and the job masks the
 group. A group inside one process has no collective in its update: a
 failure there is the process's own and the job relaunches.
+
+A collective that fails with every process alive (a stalled peer) is
+retried, from the second failure on over rebuilt collectives, and after
+`recovery.RETRIES` failures in a row the job relaunches.
 """
 
 import json
@@ -69,3 +74,30 @@ def test_a_spanning_group_whose_update_failed_leaves_with_status_77(
 def test_a_group_inside_one_process_whose_update_failed_relaunches(exits):
     with pytest.raises(errors.Relaunch, match="step 7: the optimizer update failed"):
         _Owner(spanning=False)._update(_sums(), None)
+
+
+class _Retrying:
+    """The parts of `Trainer` that a failed collective with every process alive touches."""
+
+    _collective_failed = recovery.ProcessLoss._collective_failed
+
+    def __init__(self):
+        self.t, self._transient, self._resync, self.rebuilt = 5, 0, False, []
+
+    def _rebuild_collectives(self, why):
+        self.rebuilt.append(why)
+
+
+def test_a_failed_collective_is_retried_then_retried_on_rebuilt_collectives_then_relaunched():
+    """A pair that timed out stays closed: from the second failure in a row on, every process
+    rebuilds its collectives before the retry; after RETRIES failures in a row, a relaunch."""
+    owner = _Retrying()
+    owner._collective_failed("Gloo all-reduce failed: Connection closed by peer")
+    assert owner.rebuilt == [] and owner._resync  # the first retry: the same collectives
+    for n in range(2, recovery.RETRIES + 1):
+        owner._resync = False
+        owner._collective_failed("Gloo all-reduce failed: Connection closed by peer")
+        assert len(owner.rebuilt) == n - 1 and owner._resync
+    assert "Connection closed by peer" in owner.rebuilt[0]
+    with pytest.raises(errors.Relaunch, match="the last time on rebuilt ones"):
+        owner._collective_failed("Gloo all-reduce failed: Connection closed by peer")

@@ -299,3 +299,22 @@ def test_processes_may_span_groups_but_not_split_two():
     assert multihost.groups_touching(whole, [1]).tolist() == [2, 3]
     with pytest.raises(ValueError, match=r"process 1 holds part of the devices of groups \[0, 1\]"):
         multihost.group_processes(fake_mesh([0, 0, 0, 1, 1, 1, 2, 2], 2))
+
+
+@pytest.mark.parametrize("spec", [("fsdp", "tensor"), (None, "tensor"), (None, None)])
+def test_own_shards_keep_each_distinct_shard_once_and_place_back_bit_exact(spec):
+    """What a process keeps across a backend reset: its distinct shards only, never a full
+    copy of what it does not hold, and they place back to the same array."""
+    from spare_jax import multihost
+
+    mesh = jax.make_mesh((2, 2, 2), ("redundancy", "fsdp", "tensor"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    x = jax.device_put(np.arange(8 * 6, dtype=np.float32).reshape(8, 6), sharding)
+    shards = multihost.own_shards(x)
+    split = [mesh.shape[a] if a else 1 for a in spec]
+    assert len(shards) == split[0] * split[1]  # the two redundancy replicas share each shard
+    assert sum(s.size for s in shards.values()) == x.size
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    back = multihost.from_shards(shards, like)
+    assert back.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))

@@ -342,11 +342,7 @@ def test_a_second_kill_during_the_survivors_recovery_is_masked(env, tmp_path, re
 
 
 def test_a_short_stall_is_ridden_out(env, tmp_path, reference):
-    """Stopped for 1 s, under the 2 s collective timeout: nobody notices, all four finish.
-
-    (A stall past the collective timeout but under the 5 s heartbeat fails the step's
-    collectives with every process alive: the job relaunches and rolls back, exact.)
-    """
+    """Stopped for 1 s, under the 2 s collective timeout: nobody notices, all four finish."""
     job = _start(env, tmp_path)
     try:
         job.wait_for(job.step_reached(3), what="step 3")
@@ -358,6 +354,34 @@ def test_a_short_stall_is_ridden_out(env, tmp_path, reference):
         job.close()
     assert code == 0, job.output()[-3000:]
     lj.assert_masked(tmp_path, reference, [], STEPS)  # nobody lost
+    lj.no_process_left(tmp_path)
+
+
+def test_a_stall_past_the_collective_timeout_is_ridden_out_on_rebuilt_collectives(
+    env, tmp_path, reference
+):
+    """Stopped for 3 s: past the 2 s collective timeout, under the 5 s heartbeat.
+
+    Its peers' collectives time out and close their Gloo pairs with it; the
+    retry fails on those pairs, so every process rebuilds its collectives and
+    the step goes through: no relaunch, no process lost, all four exact.
+    """
+    job = _start(env, tmp_path)
+    try:
+        job.wait_for(job.step_reached(3), what="step 3")
+        job.signal(1, signal.SIGSTOP)
+        time.sleep(3.0)
+        job.signal(1, signal.SIGCONT)
+        code = job.finish()
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    assert not lj.events(tmp_path, "relaunch"), job.output()[-3000:]
+    assert not lj.events(tmp_path, "process_failure"), job.output()[-3000:]
+    (rebuilt,) = lj.events(tmp_path, "collectives_rebuilt")
+    assert "a collective failed again" in rebuilt["reason"] and rebuilt["rebuild_s"] > 0
+    lj.assert_params(tmp_path, reference, range(4))
+    lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
     lj.no_process_left(tmp_path)
 
 
