@@ -123,7 +123,7 @@ class Admission:
         self._wait_for_saves()
         shards = [multihost.own_shards(x) for x in jax.tree.leaves(self.state)]
         self.params0 = jax.tree.map(_host, self.params0)
-        rows = self.live_groups
+        live = self.live_groups
         name = f"rebuild/{self.rollbacks}/{self.t}/{self._transient}"  # the same on every process
         epoch = rejoin.Epoch(rejoin.live_incarnations(), [], name=name)
         self.state, self.step, self._ready, self._next = None, None, {}, None
@@ -134,7 +134,7 @@ class Admission:
                 f"step {self.t}: the live processes did not all rebuild their collectives "
                 f"({str(err).splitlines()[0][:160]}); a fresh job resumes"
             ) from None
-        self._regrow(epoch, rows)
+        self._regrow(epoch, live)
         placed = [
             multihost.from_shards(own, like)
             for own, like in zip(shards, jax.tree.leaves(self._live_abstract()), strict=True)

@@ -152,8 +152,8 @@ class ProcessLoss:
         each of its partners timed out, and it found their pairs closed when
         it woke). The first retry runs on the same collectives; from the
         second failure in a row on, every process rebuilds them first (a pair
-        that timed out stays closed: `_rebuild_collectives`). After
-        `RETRIES` failures in a row the job relaunches.
+        that timed out stays closed: `_rebuild_collectives`). When `RETRIES`
+        retries have failed, the job relaunches.
         """
         if self._transient >= RETRIES:
             raise errors.Relaunch(

@@ -9,8 +9,8 @@ group. A group inside one process has no collective in its update: a
 failure there is the process's own and the job relaunches.
 
 A collective that fails with every process alive (a stalled peer) is
-retried, from the second failure on over rebuilt collectives, and after
-`recovery.RETRIES` failures in a row the job relaunches.
+retried, from the second failure on over rebuilt collectives, and when
+`recovery.RETRIES` retries have failed the job relaunches.
 """
 
 import json
@@ -90,7 +90,7 @@ class _Retrying:
 
 def test_a_failed_collective_is_retried_then_retried_on_rebuilt_collectives_then_relaunched():
     """A pair that timed out stays closed: from the second failure in a row on, every process
-    rebuilds its collectives before the retry; after RETRIES failures in a row, a relaunch."""
+    rebuilds its collectives before the retry; when RETRIES retries have failed, a relaunch."""
     owner = _Retrying()
     owner._collective_failed("Gloo all-reduce failed: Connection closed by peer")
     assert owner.rebuilt == [] and owner._resync  # the first retry: the same collectives

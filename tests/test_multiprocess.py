@@ -360,13 +360,16 @@ def test_a_short_stall_is_ridden_out(env, tmp_path, reference):
 def test_a_stall_past_the_collective_timeout_is_ridden_out_on_rebuilt_collectives(
     env, tmp_path, reference
 ):
-    """Stopped for 3 s: past the 2 s collective timeout, under the 5 s heartbeat.
+    """Stopped for 3 s: past the 2 s collective timeout, well under a 10 s heartbeat.
 
     Its peers' collectives time out and close their Gloo pairs with it; the
     retry fails on those pairs, so every process rebuilds its collectives and
-    the step goes through: no relaunch, no process lost, all four exact.
+    the step goes through: no relaunch, no process lost, all four exact. (With
+    the 5 s heartbeat of the other tests, the 3 s stop plus the time since the
+    worker's last heartbeat could pass the timeout: declared dead.)
     """
-    job = _start(env, tmp_path)
+    worker = lj.regression_command(tmp_path, f"--steps={STEPS}", "--checkpoint_steps=5")
+    job = lj.Job(lj.launcher(tmp_path, worker, "--heartbeat_s=10"), tmp_path, env)
     try:
         job.wait_for(job.step_reached(3), what="step 3")
         job.signal(1, signal.SIGSTOP)
