@@ -142,23 +142,33 @@ class Admission:
         del shards
         self.state = jax.tree.unflatten(jax.tree.structure(self.global_abstract), placed)
         rebuilt = time.time()
-        self._check_input = True
-        stacks, rows = inputs.load(self.step, self.batches, self.t)
-        self.input_rows += rows
-        self._next = (self.step, self.t, stacks, rows)
-        hits = compile_cache.counts()["cache_hits"]
-        compile_s = self.step.precompile(self.state, stacks)
+        compile_s, hits = self._compile_on_new_backend()
         self.log.event(
             "collectives_rebuilt",
             step=self.t,
             reason=why,
             rebuild_s=round(rebuilt - start, 6),
             compile_s=round(compile_s, 6),
-            cache_hits=compile_cache.counts()["cache_hits"] - hits,
+            cache_hits=hits,
         )
         runlog.notice(
             f"step {self.t}: every live process rebuilt its collectives ({why}); retrying the step"
         )
+
+    def _compile_on_new_backend(self) -> tuple[float, int]:
+        """Step ``t``'s input and the step's programs on a new backend: (seconds, cache hits).
+
+        Every process compiles (or loads from the persistent cache) before
+        the next step's block, at its own pace; the input is checked again.
+        """
+        self._check_input = True
+        stacks, rows = inputs.load(self.step, self.batches, self.t)
+        self.input_rows += rows
+        self._next = (self.step, self.t, stacks, rows)
+        self._at("compile")
+        hits = compile_cache.counts()["cache_hits"]
+        compile_s = self.step.precompile(self.state, stacks)
+        return compile_s, compile_cache.counts()["cache_hits"] - hits
 
     def _live_abstract(self) -> Any:
         """The state's shapes, dtypes and shardings on the step's (live) mesh."""
@@ -203,14 +213,7 @@ class Admission:
     def _joined(self, epoch: rejoin.Epoch, start: float, moved: broadcast.Moved) -> None:
         """Every process has its state: compile the step for the grown mesh, note the re-join."""
         placed = time.time()
-        self._check_input = True
-        stacks, rows = inputs.load(self.step, self.batches, self.t)
-        self.input_rows += rows
-        self._next = (self.step, self.t, stacks, rows)
-        self._at("compile")
-        hits = compile_cache.counts()["cache_hits"]
-        compile_s = self.step.precompile(self.state, stacks)
-        hits = compile_cache.counts()["cache_hits"] - hits
+        compile_s, hits = self._compile_on_new_backend()
         self.joining = {
             "process": epoch.joiners,
             "groups": self._rejoined,

@@ -43,10 +43,27 @@ def reference():
 
 
 def _start(
-    env, workdir: pathlib.Path, *args: str, steps: int = STEPS, log: pathlib.Path | None = None
+    env,
+    workdir: pathlib.Path,
+    *args: str,
+    steps: int = STEPS,
+    log: pathlib.Path | None = None,
+    launcher_flags: tuple[str, ...] = (),
 ) -> lj.Job:
     worker = lj.regression_command(workdir, f"--steps={steps}", "--checkpoint_steps=5", *args)
-    return lj.Job(lj.launcher(workdir, worker), workdir, env, log=log)
+    return lj.Job(lj.launcher(workdir, worker, *launcher_flags), workdir, env, log=log)
+
+
+def _stall(job: lj.Job, seconds: float) -> int:
+    """Worker 1 stopped (SIGSTOP) at step 3 for ``seconds``, then resumed; the job's status."""
+    try:
+        job.wait_for(job.step_reached(3), what="step 3")
+        job.signal(1, signal.SIGSTOP)
+        time.sleep(seconds)
+        job.signal(1, signal.SIGCONT)
+        return job.finish()
+    finally:
+        job.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT], ids=["SIGKILL", "SIGABRT"])
@@ -344,14 +361,7 @@ def test_a_second_kill_during_the_survivors_recovery_is_masked(env, tmp_path, re
 def test_a_short_stall_is_ridden_out(env, tmp_path, reference):
     """Stopped for 1 s, under the 2 s collective timeout: nobody notices, all four finish."""
     job = _start(env, tmp_path)
-    try:
-        job.wait_for(job.step_reached(3), what="step 3")
-        job.signal(1, signal.SIGSTOP)
-        time.sleep(1.0)
-        job.signal(1, signal.SIGCONT)
-        code = job.finish()
-    finally:
-        job.close()
+    code = _stall(job, 1.0)
     assert code == 0, job.output()[-3000:]
     lj.assert_masked(tmp_path, reference, [], STEPS)  # nobody lost
     lj.no_process_left(tmp_path)
@@ -368,16 +378,8 @@ def test_a_stall_past_the_collective_timeout_is_ridden_out_on_rebuilt_collective
     the 5 s heartbeat of the other tests, the 3 s stop plus the time since the
     worker's last heartbeat could pass the timeout: declared dead.)
     """
-    worker = lj.regression_command(tmp_path, f"--steps={STEPS}", "--checkpoint_steps=5")
-    job = lj.Job(lj.launcher(tmp_path, worker, "--heartbeat_s=10"), tmp_path, env)
-    try:
-        job.wait_for(job.step_reached(3), what="step 3")
-        job.signal(1, signal.SIGSTOP)
-        time.sleep(3.0)
-        job.signal(1, signal.SIGCONT)
-        code = job.finish()
-    finally:
-        job.close()
+    job = _start(env, tmp_path, launcher_flags=("--heartbeat_s=10",))
+    code = _stall(job, 3.0)
     assert code == 0, job.output()[-3000:]
     assert not lj.events(tmp_path, "relaunch"), job.output()[-3000:]
     assert not lj.events(tmp_path, "process_failure"), job.output()[-3000:]
