@@ -126,7 +126,7 @@ class Admission:
         live = self.live_groups
         name = f"rebuild/{self.rollbacks}/{self.t}/{self._transient}"  # the same on every process
         epoch = rejoin.Epoch(rejoin.live_incarnations(), [], name=name)
-        self.state, self.step, self._ready, self._next = None, None, {}, None
+        self.state, self.step, self._ready, self._held = None, None, {}, {}
         try:
             rejoin.reset_backend(epoch, fresh=False)
         except jax.errors.JaxRuntimeError as err:  # a process went on without us: start afresh
@@ -164,7 +164,7 @@ class Admission:
         self._check_input = True
         stacks, rows = inputs.load(self.step, self.batches, self.t)
         self.input_rows += rows
-        self._next = (self.step, self.t, stacks, rows)
+        self._held = {self.t: (self.step, stacks, rows)}
         self._at("compile")
         hits = compile_cache.counts()["cache_hits"]
         compile_s = self.step.precompile(self.state, stacks)

@@ -108,7 +108,7 @@ class ProcessLoss:
         rebuilt = time.time()
         stacks, rows = inputs.load(step, self.batches, self.t)  # the same units: no new data
         self.input_rows += rows
-        self._next = (step, self.t, stacks, rows)
+        self._held = {self.t: (step, stacks, rows)}
         before, hits = self.compiled(), compile_cache.counts()["cache_hits"]
         compile_s = 0.0 if step.compiled() else step.precompile(self.state, stacks)
         hits = compile_cache.counts()["cache_hits"] - hits

@@ -202,7 +202,9 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         self.joining: dict[str, Any] | None = None  # a re-join waiting for its first step
         self._check_input = True  # the batch contract, at a job's first step (`_check_batch`)
         self.input_rows = 0  # rows this process read from `batches`, every (re)load included
-        self._next: tuple[Any, int, Any, int] | None = None  # a prefetched step's input
+        # Input read for step t (and t + 1, prefetched), kept until step t is done: a retry
+        # on the same step reads nothing again. Keyed by t: (the step it is laid out for, ...).
+        self._held: dict[int, tuple[Any, Any, int]] = {}
         self._tracker = SpeedTracker(step.groups) if balance and self.multi else None
         self._speeds, self._window, self._balanced_for = None, [0.0, 0.0], self.step
         self._waited, self._prefetch_s, self._barrier_s = None, 0.0, 0.0
@@ -363,22 +365,31 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         }
 
     def _input(self, t: int) -> tuple[Any, int]:
-        """Step ``t``'s stacks for the step in force and the rows this process read for them."""
-        ready, self._next = self._next, None
-        if ready is not None and ready[0] is self.step and ready[1] == t:
-            return ready[2], ready[3]
+        """Step ``t``'s stacks for the step in force and the rows that make them up.
+
+        Read from ``batches`` only when no input laid out for this step is held
+        (a retry on the same step, or a prefetch, reads nothing again).
+        """
+        held = self._held.get(t)
+        if held is not None and held[0] is self.step:
+            return held[1], held[2]
         stacks, rows = inputs.load(self.step, self.batches, t)
         self.input_rows += rows
+        ahead = self._held.get(t + 1)
+        self._held = {t: (self.step, stacks, rows)}
+        if ahead is not None and ahead[0] is self.step:
+            self._held[t + 1] = ahead
         return stacks, rows
 
     def _prefetch(self, t: int) -> None:
         """Read step ``t``'s input ahead (while the device runs the step before it)."""
-        if t < self.total:
+        held = self._held.get(t)
+        if t < self.total and (held is None or held[0] is not self.step):
             start = time.perf_counter()
             stacks, rows = inputs.load(self.step, self.batches, t)
             self._prefetch_s = time.perf_counter() - start
             self.input_rows += rows
-            self._next = (self.step, t, stacks, rows)
+            self._held[t] = (self.step, stacks, rows)
 
     def loop(self) -> None:
         """Train from step ``t`` to the end through every failure."""
@@ -428,6 +439,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
             self._note_rejoin()
             if self.on_step is not None:
                 self.on_step(record)
+            self._held.pop(self.t, None)
             self.t += 1
             now = time.time()
             if now - self._last_emit >= 1.0:  # progress, for a launcher's hang watch

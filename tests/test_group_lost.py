@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spare_jax import balancing, errors, recovery
+from spare_jax import balancing, errors, recovery, trainer
 
 
 class _FailingStep:
@@ -101,3 +101,39 @@ def test_a_failed_collective_is_retried_then_retried_on_rebuilt_collectives_then
     assert "Connection closed by peer" in owner.rebuilt[0]
     with pytest.raises(errors.Relaunch, match="the last time on rebuilt ones"):
         owner._collective_failed("Gloo all-reduce failed: Connection closed by peer")
+
+
+class _Reading:
+    """The parts of `Trainer` that read a step's input."""
+
+    _input = trainer.Trainer._input
+    _prefetch = trainer.Trainer._prefetch
+
+    def __init__(self):
+        self.step, self.total, self.batches, self._held, self.input_rows = object(), 10, None, {}, 0
+
+
+def test_a_retried_step_reads_no_input_again_and_a_changed_step_reads_once(monkeypatch):
+    """A retry on the same step (a process that left with its group, a failed collective)
+    reuses step t's input and keeps t + 1's read ahead; a new step (a loss) reads t again."""
+    reads = []
+
+    def load(step, batches, t):
+        reads.append((step, t))
+        return f"stacks {t}", 4
+
+    monkeypatch.setattr(trainer.inputs, "load", load)
+    owner = _Reading()
+    first = owner.step
+    for _attempt in range(3):  # the first attempt, then two retries of step 3
+        assert owner._input(3) == ("stacks 3", 4)
+        owner._prefetch(4)
+    assert reads == [(first, 3), (first, 4)]
+    owner._held.pop(3)  # step 3 done: step 4 was read ahead
+    assert owner._input(4) == ("stacks 4", 4) and reads == [(first, 3), (first, 4)]
+    owner.step = second = object()  # a loss: the survivors' step lays input out anew
+    for _attempt in range(2):
+        assert owner._input(4) == ("stacks 4", 4)
+    owner._prefetch(10)  # past the last step: nothing to read
+    assert reads == [(first, 3), (first, 4), (second, 4)] and owner.input_rows == 12
+    assert set(owner._held) == {4} and owner._held[4][0] is second

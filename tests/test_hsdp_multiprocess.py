@@ -122,14 +122,18 @@ def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, cas
         assert summary["live_groups"] == groups - 1
         assert sorted(summary["lost_processes"]) == sorted([victim, mate])
     lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
-    # Each process read its own group's stack only: r * m units, b / parts rows of each.
+    # Each process read its own group's stack only: r * m units, b / parts rows of each,
+    # once for the batch check and once a step, and again only when its step changed
+    # (a loss, rebuilt collectives): that step's stack and the next one, read ahead.
     per_step = 2 * regression.MICROBATCHES * regression.ROWS // parts
     global_rows = groups * regression.MICROBATCHES * regression.ROWS
     steps = [r for r in lj.records(tmp_path) if "loss" in r]
     assert {r["input_rows"] for r in steps} == {per_step}
+    changes = sum(len(lj.events(tmp_path, k)) for k in ("process_failure", "collectives_rebuilt"))
     for p in survivors:
-        loaded = rows_loaded(tmp_path, p)
-        assert loaded <= (STEPS + 4) * per_step < STEPS * global_rows, (p, loaded)
+        loaded, left = divmod(rows_loaded(tmp_path, p), per_step)
+        assert left == 0 and STEPS + 1 <= loaded <= STEPS + 1 + 2 * changes, (p, loaded, changes)
+        assert loaded * per_step < STEPS * global_rows
     lj.no_process_left(tmp_path)
 
 
