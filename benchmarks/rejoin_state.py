@@ -1,26 +1,39 @@
-"""A large state's re-join through `spare_jax.fit`: a killed worker replaced while the job runs.
+"""A large state through the two paths that reset a running job's backend, via `spare_jax.fit`.
 
-    python benchmarks/rejoin_state.py                      # 1200 MB, one job (minutes)
+    python benchmarks/rejoin_state.py                      # 1200 MB re-join, one job (minutes)
     python benchmarks/rejoin_state.py --sizes_mb=64,1200 --out=runs/rejoin_state
+    python benchmarks/rejoin_state.py --case=stall --sizes_mb=16,64,256 --out=runs/rebuild
 
 Each job is 3 workers of one CPU device each (one group each, r = 2) under
-``python -m spare_jax.launch --replace_after_s=0``; the model is one float32
-matrix of ``--sizes_mb`` trained with SGD (the loss touches every element,
-so every step's gradient and cross-group sum is the whole state). Worker 1
-SIGKILLs itself in the middle of step ``--kill_step`` (the launcher's
-injector); the launcher starts its replacement at once, which joins the
-running job and receives the state from a live group over the devices
-(`spare_jax.broadcast`). Once the job has run a step after the re-join, the
-driver sends the launcher SIGTERM (the workers save and leave, exit 143).
-This is the case of a user's 1.2 GB state whose re-join never completed
-when the state went through the coordination service.
+``python -m spare_jax.launch``; the model is one float32 matrix of
+``--sizes_mb`` trained with SGD (the loss touches every element, so every
+step's gradient and cross-group sum is the whole state).
 
-Printed per size, from the writer's ``rejoin`` event and the workers' logs:
-the bytes moved, the transfer's seconds and MB/s, the replacement's start to
-its first step in the job (``join_s``), whether the job relaunched (it must
-not), and every worker's peak resident memory (``VmHWM``, the replacement's
-for process 1) as a multiple of the state. ``--out`` keeps the jobs and a
-JSON of the figures (appended to ``rejoin_state.json``).
+``--case=rejoin``: worker 1 SIGKILLs itself in the middle of step
+``--kill_step`` (the launcher's injector, ``--replace_after_s=0``); the
+launcher starts its replacement at once, which joins the running job and
+receives the state from a live group over the devices (`spare_jax.broadcast`).
+This is the case of a user's 1.2 GB state whose re-join never completed when
+the state went through the coordination service.
+
+``--case=stall``: once step ``--kill_step`` is done, the driver stops worker 1
+(SIGSTOP) for the collective timeout plus 3 s, then resumes it (SIGCONT): its
+peers' collectives time out, and every process rebuilds its collectives,
+keeping its own shards on its host through the backend reset. A stop that
+caught worker 1 between collectives is waited out with nothing to rebuild;
+then the driver stops it again (3 stops at most, ``stalls`` in the figures). The heartbeat
+and the eviction bound are set above the stop, so nobody is declared dead.
+
+Once the job has run a step after the re-join (or the rebuild), the driver
+sends the launcher SIGTERM (the workers save and leave, exit 143). Printed
+per size, from the writer's ``rejoin`` (``collectives_rebuilt``) event and
+the workers' logs: the bytes moved (kept on the host), the seconds, whether
+the job relaunched (it must not), and every worker's peak resident memory
+(``VmHWM``) as a multiple of the state: when the driver stops the job (after
+the re-join or the rebuild, the replacement's for process 1), and at exit
+(the stop's save included); for a stall also just before worker 1 stops, so what
+the rebuild added shows. ``--out`` keeps the jobs and a JSON of the figures
+(appended to ``rejoin_state.json``).
 """
 
 from __future__ import annotations
@@ -53,7 +66,15 @@ _STEPS = flags.DEFINE_integer(
     "steps", 1000, "Training steps per job (it is stopped once the re-join is done).", lower_bound=4
 )
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "Seconds a job may take.", lower_bound=10)
-_KILL_STEP = flags.DEFINE_integer("kill_step", 3, "Worker 1 is killed in this step.", lower_bound=1)
+_KILL_STEP = flags.DEFINE_integer(
+    "kill_step", 3, "Worker 1 is killed in this step (stopped after it).", lower_bound=1
+)
+_CASE = flags.DEFINE_enum(
+    "case",
+    "rejoin",
+    ["rejoin", "stall"],
+    "rejoin: worker 1 killed and replaced; stall: worker 1 stopped past the collective timeout.",
+)
 _OUT = flags.DEFINE_string("out", "", "Directory for the jobs and rejoin_state.json (optional).")
 _ROLE = flags.DEFINE_enum("role", "driver", ["driver", "worker"], "Internal: worker mode.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Internal: the worker's work directory.")
@@ -69,12 +90,44 @@ def _batches(t: int, rows: int = 3 * 2) -> dict[str, np.ndarray]:
     return {"c": np.full((rows, 1), 1.0 + 0.01 * t, np.float32)}
 
 
-def _peak_bytes() -> int:
-    with open("/proc/self/status", encoding="utf-8") as f:
+def _peak_bytes(pid: str = "self") -> int:
+    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _pids(workdir: str) -> dict[int, int]:
+    """Each worker's pid, from its latest ``hello`` event."""
+    pids = {}
+    for log in pathlib.Path(workdir, "launch").glob("worker-*.log"):
+        found = re.findall(r'"kind": "hello", "process": (\d+), "pid": (\d+)', log.read_text())
+        if found:
+            pids[int(found[-1][0])] = int(found[-1][1])
+    return pids
+
+
+def _peaks(workdir: str) -> dict[int, int]:
+    """Every running worker's peak resident bytes so far."""
+    peaks = {}
+    for p, pid in sorted(_pids(workdir).items()):
+        try:
+            peaks[p] = _peak_bytes(str(pid))
+        except OSError:  # it has exited
+            pass
+    return peaks
+
+
+def _stall(workdir: str, seconds: float) -> dict[int, int]:
+    """Worker 1 stopped for ``seconds``, then resumed; every worker's peak RSS before it."""
+    before = _peaks(workdir)
+    os.kill(_pids(workdir)[1], signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(_pids(workdir)[1], signal.SIGCONT)
+    return before
 
 
 def _worker() -> None:
@@ -95,19 +148,22 @@ def _worker() -> None:
         print(f"{PEAK}{_peak_bytes()}", flush=True)
 
 
-def _job(workdir: str, size_mb: int) -> dict:
+def _job(workdir: str, size_mb: int, case: str) -> dict:
+    # A survivor may wait in a collective that its peer left on the dead one's error until
+    # this passes; the whole state's all-reduce must fit in it (300 s at 1.2 GB).
+    timeout = max(30, size_mb // 4)
+    if case == "rejoin":
+        faults = ["--heartbeat_s=10", "--replace_after_s=0", f"--kill={_KILL_STEP.value}:1"]
+    else:  # nobody declared dead or evicted while stopped: a stall, not a loss
+        faults = [f"--heartbeat_s={2 * timeout + 10}", f"--evict_after_s={2 * timeout + 10}"]
     command = [
         sys.executable,
         "-m",
         "spare_jax.launch",
         "--processes=3",
         "--devices_per_process=1",
-        "--heartbeat_s=10",
-        # A survivor may wait in a collective that its peer left on the dead one's error until
-        # this passes; the whole state's all-reduce must fit in it (300 s at 1.2 GB).
-        f"--collective_timeout_s={max(30, size_mb // 4)}",
-        "--replace_after_s=0",
-        f"--kill={_KILL_STEP.value}:1",
+        f"--collective_timeout_s={timeout}",
+        *faults,
         f"--launch_dir={os.path.join(workdir, 'launch')}",
         "--",
         sys.executable,
@@ -117,16 +173,31 @@ def _job(workdir: str, size_mb: int) -> dict:
         f"--size_mb={size_mb}",
         f"--steps={_STEPS.value}",
     ]
+    event = "rejoin" if case == "rejoin" else "collectives_rebuilt"
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
+    before: dict[int, int] = {}
+    after: dict[int, int] = {}
+    stalls, resumed = 0, 0.0
     with open(os.path.join(workdir, "launcher.log"), "w", encoding="utf-8") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + _TIMEOUT.value
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 records = read_records(path)
-                done = [r for r in records if r.get("event") in ("rejoin", "relaunch")]
+                reached = any(r.get("step", -1) >= _KILL_STEP.value for r in records if "loss" in r)
+                rebuilt = any(r.get("event") == event for r in records)
+                # A stop that caught worker 1 between collectives is waited out in the next
+                # step's live-set check, with nothing to rebuild: stop it again.
+                again = stalls and not rebuilt and time.monotonic() - resumed > timeout
+                if case == "stall" and reached and (not stalls or again) and stalls < 3:
+                    peaks = _stall(workdir, timeout + 3)
+                    before = before or peaks
+                    stalls, resumed = stalls + 1, time.monotonic()
+                    continue
+                done = [r for r in records if r.get("event") in (event, "relaunch")]
                 if done and any(r.get("step", -1) > done[0].get("step", 0) for r in records):
+                    after = _peaks(workdir)  # before the stop's save adds its own
                     proc.send_signal(signal.SIGTERM)  # the workers save and leave (143)
                     break
                 time.sleep(0.5)
@@ -136,29 +207,59 @@ def _job(workdir: str, size_mb: int) -> dict:
                 proc.kill()
                 proc.wait()
     records = read_records(path)
-    rejoins = [r for r in records if r.get("event") == "rejoin"]
+    found = [r for r in records if r.get("event") == event]
     peaks = {}
     for log in sorted(pathlib.Path(workdir, "launch").glob("worker-*.log")):
-        found = re.findall(rf"{PEAK}(\d+)", log.read_text(errors="replace"))
-        if found:
-            peaks[int(log.stem.split("-")[1])] = int(found[-1])  # the last: a replacement's
+        last = re.findall(rf"{PEAK}(\d+)", log.read_text(errors="replace"))
+        if last:
+            peaks[int(log.stem.split("-")[1])] = int(last[-1])  # the last: a replacement's
     state = max(size_mb * 10**6 // (4 * COLS), 1) * COLS * 4
     figures = {
+        "case": case,
         "size_mb": size_mb,
         "state_bytes": state,
         "exit": proc.returncode,
         "relaunched": any(r.get("event") == "relaunch" for r in records),
         "peak_rss_over_state": {p: round(b / state, 2) for p, b in sorted(peaks.items())},
     }
-    if rejoins:
-        e = rejoins[0]
-        figures.update(
-            {k: e[k] for k in ("bytes", "move_s", "move_mb_s", "transfer_s", "join_s") if k in e}
-        )
-    if not rejoins or figures["relaunched"]:  # the launcher's own lines say why
+    if stalls:
+        figures["stalls"] = stalls
+    for key, peaks_of in (("peak_before_over_state", before), ("peak_at_stop_over_state", after)):
+        if peaks_of:
+            figures[key] = {p: round(b / state, 2) for p, b in peaks_of.items()}
+    if found:
+        keys = ("bytes", "move_s", "move_mb_s", "transfer_s", "join_s")
+        keys += ("host_bytes", "rebuild_s", "compile_s", "cache_hits")
+        figures.update({k: found[0][k] for k in keys if k in found[0]})
+    if not found or figures["relaunched"]:  # the launcher's own lines say why
         lines = pathlib.Path(workdir, "launcher.log").read_text(errors="replace").splitlines()
         figures["error"] = "\n".join(x for x in lines if x.startswith("launch: "))[-1500:]
     return figures
+
+
+def _line(figures: dict) -> str:
+    size, ok = figures["size_mb"], not figures["relaunched"]
+    if figures["case"] == "rejoin":
+        if "bytes" not in figures:
+            return f"{size} MB: no re-join (exit {figures['exit']})"
+        return (
+            f"{size} MB: re-joined without a relaunch: {ok}; "
+            f"{figures['bytes'] / 1e6:.0f} MB moved in {figures['move_s']:.2f} s "
+            f"({figures['move_mb_s']:.0f} MB/s); replacement's start to its first step "
+            f"{figures['join_s']:.1f} s; peak RSS / state per process "
+            f"{figures['peak_rss_over_state']}"
+        )
+    if "rebuild_s" not in figures:
+        return f"{size} MB: no rebuild (exit {figures['exit']})"
+    return (
+        f"{size} MB: collectives rebuilt without a relaunch: {ok}; "
+        f"{figures['host_bytes'] / 1e6:.0f} MB kept on the writer's host; rebuild "
+        f"{figures['rebuild_s']:.2f} s, then {figures['compile_s']:.2f} s compiling "
+        f"({figures['cache_hits']} cache hits); peak RSS / state per process before the stall "
+        f"{figures['peak_before_over_state']}, after the rebuild "
+        f"{figures.get('peak_at_stop_over_state')}, after the stop's save "
+        f"{figures['peak_rss_over_state']}"
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -178,22 +279,11 @@ def main(argv: list[str]) -> None:
     base = keep or tempfile.mkdtemp(prefix="spare_rejoin_state_")
     results = []
     for size in sizes:
-        workdir = os.path.join(base, f"state-{size}mb")
-        figures = _job(workdir, size)
+        workdir = os.path.join(base, f"{_CASE.value}-{size}mb")
+        figures = _job(workdir, size, _CASE.value)
         results.append(figures)
         print(json.dumps(figures), flush=True)
-        moved = figures.get("bytes")
-        if moved is not None:
-            print(
-                f"{size} MB: re-joined without a relaunch: {not figures['relaunched']}; "
-                f"{moved / 1e6:.0f} MB moved in {figures['move_s']:.2f} s "
-                f"({figures['move_mb_s']:.0f} MB/s); replacement's start to its first step "
-                f"{figures['join_s']:.1f} s; peak RSS / state per process "
-                f"{figures['peak_rss_over_state']}",
-                flush=True,
-            )
-        else:
-            print(f"{size} MB: no re-join (exit {figures['exit']})", flush=True)
+        print(_line(figures), flush=True)
     if keep:
         with open(os.path.join(keep, "rejoin_state.json"), "a", encoding="utf-8") as f:
             for figures in results:

@@ -122,6 +122,7 @@ class Admission:
         self._at("compile")  # busy: rebuilding, then compiling (from the cache)
         self._wait_for_saves()
         shards = [multihost.own_shards(x) for x in jax.tree.leaves(self.state)]
+        kept = sum(a.nbytes for own in shards for a in own.values())
         self.params0 = jax.tree.map(_host, self.params0)
         live = self.live_groups
         name = f"rebuild/{self.rollbacks}/{self.t}/{self._transient}"  # the same on every process
@@ -150,6 +151,7 @@ class Admission:
             rebuild_s=round(rebuilt - start, 6),
             compile_s=round(compile_s, 6),
             cache_hits=hits,
+            host_bytes=kept,
         )
         runlog.notice(
             f"step {self.t}: every live process rebuilt its collectives ({why}); retrying the step"

@@ -233,6 +233,23 @@ def test_rejoin_state_benchmark_tiny(tmp_path):
 
 
 @pytest.mark.slow
+def test_rejoin_state_benchmark_stall_rebuilds_keeping_one_copy_of_the_own_shards(tmp_path):
+    """Worker 1 stopped past the collective timeout: the collectives are rebuilt, no relaunch;
+    the writer kept its own shards (its whole replica, one group per process) on its host."""
+    result = _run("rejoin_state.py", "--case=stall", "--sizes_mb=16", f"--out={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = [
+        json.loads(line) for line in (tmp_path / "rejoin_state.json").read_text().splitlines()
+    ]
+    assert not record["relaunched"] and record["exit"] == 143, record
+    assert record["state_bytes"] <= record["host_bytes"] < 1.01 * record["state_bytes"], record
+    assert _positive(record["rebuild_s"]) and record["cache_hits"] > 0, record
+    for key in ("peak_before_over_state", "peak_at_stop_over_state", "peak_rss_over_state"):
+        assert sorted(record[key]) == ["0", "1", "2"], record
+    assert "collectives rebuilt without a relaunch: True" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
 def test_restore_benchmark_reads_the_checkpoint_once_per_job(tmp_path):
     """2 and 3 processes resume a 16 MB state: the writer reads it once, the others
     nothing (the state reaches them over the devices), whatever the process count."""
