@@ -178,7 +178,8 @@ def test_two_kills_close_together(env, tmp_path, reference, victims, masked):
         job.wait_for(job.step_reached(3), what="step 3")
         job.signal(victims[0], signal.SIGKILL)
         time.sleep(0.3)
-        job.signal(victims[1], signal.SIGKILL)
+        if victims[1] not in lj.gloo_aborted(tmp_path):  # CPU: it may abort with its neighbour
+            job.signal(victims[1], signal.SIGKILL)
         code = job.finish()
     finally:
         job.close()
