@@ -251,6 +251,31 @@ class Job:
         os.kill(pid, sig)
         return pid
 
+    def stall(
+        self, process: int, seconds: float, at: int = 3, until: str = "", tries: int = 1
+    ) -> int:
+        """Worker ``process`` stopped (SIGSTOP) at step ``at`` for ``seconds``, then resumed
+        (SIGCONT); the job's status once it ends.
+
+        With ``until``, stopped again (``tries`` stops at most) while no ``until``
+        event followed within 10 s: a stop that fell between two steps'
+        collectives is waited out in the live-set check, and nothing fails.
+        """
+        try:
+            self.wait_for(self.step_reached(at), what=f"step {at}")
+            for _ in range(tries):
+                self.signal(process, signal.SIGSTOP)
+                time.sleep(seconds)
+                self.signal(process, signal.SIGCONT)
+                deadline = time.monotonic() + 10
+                while until and not events(self.workdir, until) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if not until or events(self.workdir, until) or self.proc.poll() is not None:
+                    break
+            return self.finish()
+        finally:
+            self.close()
+
     def finish(self, timeout: float = 300.0) -> int:
         try:
             return self.proc.wait(timeout=timeout)

@@ -9,7 +9,9 @@ relaunch: docs/multihost.md): its whole group is
 masked, the group's other process leaves (exit 77), and the job ends 0
 without a relaunch. Every surviving process's parameters equal a
 single-device `jax.grad` + optax run over the same batches (rtol 1e-5,
-atol 1e-6); every step read ``r * m * b / parts`` rows per held group.
+atol 1e-6); every step read ``r * m * b / parts`` rows per held group. A
+process stopped past the collective timeout instead is ridden out on rebuilt
+collectives, each process keeping only its own shards.
 
 Slow (each test is one multi-process job of 1-3 minutes on 2 cores).
 """
@@ -66,7 +68,13 @@ def rows_loaded(workdir, process: int) -> int:
 
 
 def _launcher(
-    workdir, processes: int, devices: int, mesh: str, steps: int, checkpoint_steps: int
+    workdir,
+    processes: int,
+    devices: int,
+    mesh: str,
+    steps: int,
+    checkpoint_steps: int,
+    *launcher_flags: str,
 ) -> list[str]:
     """``experiments/regression.py`` on ``mesh`` with per-unit input, under the launcher."""
     worker = lj.regression_command(
@@ -85,6 +93,7 @@ def _launcher(
         "--heartbeat_s=5",
         # 8 processes on 2 busy cores: a peer still compiling must not read as dead.
         "--collective_timeout_s=10",
+        *launcher_flags,  # after the two above: a repeated flag's last value counts
         f"--launch_dir={workdir / 'launch'}",
         "--",
         *worker,
@@ -134,6 +143,26 @@ def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, cas
         loaded, left = divmod(rows_loaded(tmp_path, p), per_step)
         assert left == 0 and 0 < loaded <= STEPS + 1 + 2 * changes, (p, loaded, changes)
         assert loaded * per_step < STEPS * global_rows
+    lj.no_process_left(tmp_path)
+
+
+def test_a_stall_in_a_spanning_job_is_ridden_out_keeping_each_process_s_own_shards(env, tmp_path):
+    """4 x 2 (`fsdp:2,tensor:2`): worker 1 stopped for 12 s, past the 10 s collective timeout
+    and under a 30 s heartbeat. Every process rebuilds its collectives keeping only its own
+    shards on its host: the writer, half of its group, kept half a replica or a little
+    more (small leaves are replicated), never all of it. No relaunch, nobody lost, exact."""
+    processes, devices, mesh, groups, _parts, _victim, _mate = CASES["4x2_fsdp_tensor"]
+    command = _launcher(tmp_path, processes, devices, mesh, STEPS, 50, "--heartbeat_s=30")
+    job = lj.Job(command, tmp_path, env)
+    code = job.stall(1, 12.0, at=4, until="collectives_rebuilt", tries=3)
+    assert code == 0, job.output()[-3000:]
+    assert not lj.events(tmp_path, "relaunch"), job.output()[-3000:]
+    assert not lj.events(tmp_path, "process_failure"), job.output()[-3000:]
+    (rebuilt,) = lj.events(tmp_path, "collectives_rebuilt")
+    replica = 3 * sum(a.nbytes for a in regression.init_params().values())  # AdamW: 3 states
+    assert replica / 2 <= rebuilt["host_bytes"] < 0.75 * replica, (rebuilt, replica)
+    lj.assert_params(tmp_path, reference(groups), range(processes))
+    lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
     lj.no_process_left(tmp_path)
 
 

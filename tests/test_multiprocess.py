@@ -54,29 +54,6 @@ def _start(
     return lj.Job(lj.launcher(workdir, worker, *launcher_flags), workdir, env, log=log)
 
 
-def _stall(job: lj.Job, seconds: float, until: str = "", tries: int = 1) -> int:
-    """Worker 1 stopped (SIGSTOP) at step 3 for ``seconds``, then resumed; the job's status.
-
-    With ``until``, stopped again (``tries`` stops at most) while no ``until``
-    event followed within 10 s: a stop that fell between two steps'
-    collectives is waited out in the live-set check, and nothing fails.
-    """
-    try:
-        job.wait_for(job.step_reached(3), what="step 3")
-        for _ in range(tries):
-            job.signal(1, signal.SIGSTOP)
-            time.sleep(seconds)
-            job.signal(1, signal.SIGCONT)
-            deadline = time.monotonic() + 10
-            while until and not lj.events(job.workdir, until) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if not until or lj.events(job.workdir, until) or job.proc.poll() is not None:
-                break
-        return job.finish()
-    finally:
-        job.close()
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT], ids=["SIGKILL", "SIGABRT"])
 def test_a_worker_killed_from_outside_is_masked_and_the_run_completes(
     env, tmp_path, reference, sig
@@ -373,7 +350,7 @@ def test_a_second_kill_during_the_survivors_recovery_is_masked(env, tmp_path, re
 def test_a_short_stall_is_ridden_out(env, tmp_path, reference):
     """Stopped for 1 s, under the 2 s collective timeout: nobody notices, all four finish."""
     job = _start(env, tmp_path)
-    code = _stall(job, 1.0)
+    code = job.stall(1, 1.0)
     assert code == 0, job.output()[-3000:]
     lj.assert_masked(tmp_path, reference, [], STEPS)  # nobody lost
     lj.no_process_left(tmp_path)
@@ -391,7 +368,7 @@ def test_a_stall_past_the_collective_timeout_is_ridden_out_on_rebuilt_collective
     worker's last heartbeat could pass the timeout: declared dead.)
     """
     job = _start(env, tmp_path, launcher_flags=("--heartbeat_s=10",))
-    code = _stall(job, 3.0, until="collectives_rebuilt", tries=3)
+    code = job.stall(1, 3.0, until="collectives_rebuilt", tries=3)
     assert code == 0, job.output()[-3000:]
     assert not lj.events(tmp_path, "relaunch"), job.output()[-3000:]
     assert not lj.events(tmp_path, "process_failure"), job.output()[-3000:]
