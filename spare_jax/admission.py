@@ -71,7 +71,7 @@ class Admission:
         rows = self.live_groups
         if self._is_writer():
             rejoin.send(epoch, self._record())
-        self.state, self.step, self._ready = None, None, {}
+        self.state, self.step, self._ready, self._held = None, None, {}, {}
         rejoin.reset_backend(epoch, fresh=False)
         self._regrow(epoch, rows)
         moved = self._move(rows, host)

@@ -383,7 +383,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
 
     def _prefetch(self, t: int) -> None:
         """Read step ``t``'s input ahead (while the device runs the step before it)."""
-        held = self._held.get(t)
+        held, self._prefetch_s = self._held.get(t), 0.0
         if t < self.total and (held is None or held[0] is not self.step):
             start = time.perf_counter()
             stacks, rows = inputs.load(self.step, self.batches, t)
