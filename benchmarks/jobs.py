@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-SCRIPTS = ("train.py", "regression.py")
+SCRIPTS = ("train.py", "regression.py", "rejoin_state.py")
 
 
 def worker_pid(workdir: str, process: int) -> int:

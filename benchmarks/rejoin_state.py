@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
+from jobs import worker_pid  # benchmarks/jobs.py: this script's directory is on sys.path
 
 import spare_jax
 from spare_jax import cli
@@ -60,6 +61,7 @@ from spare_jax.runlog import read_records
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLS = 1024
 PEAK = "rejoin_state: peak resident bytes "
+PROCESSES = 3
 
 _SIZES = flags.DEFINE_list("sizes_mb", ["1200"], "State sizes (MB of float32 parameters).")
 _STEPS = flags.DEFINE_integer(
@@ -98,23 +100,13 @@ def _peak_bytes(pid: str = "self") -> int:
     return 0
 
 
-def _pids(workdir: str) -> dict[int, int]:
-    """Each worker's pid, from its latest ``hello`` event."""
-    pids = {}
-    for log in pathlib.Path(workdir, "launch").glob("worker-*.log"):
-        found = re.findall(r'"kind": "hello", "process": (\d+), "pid": (\d+)', log.read_text())
-        if found:
-            pids[int(found[-1][0])] = int(found[-1][1])
-    return pids
-
-
 def _peaks(workdir: str) -> dict[int, int]:
     """Every running worker's peak resident bytes so far."""
     peaks = {}
-    for p, pid in sorted(_pids(workdir).items()):
+    for p in range(PROCESSES):
         try:
-            peaks[p] = _peak_bytes(str(pid))
-        except OSError:  # it has exited
+            peaks[p] = _peak_bytes(str(worker_pid(workdir, p)))
+        except (OSError, RuntimeError):  # it has exited
             pass
     return peaks
 
@@ -122,11 +114,12 @@ def _peaks(workdir: str) -> dict[int, int]:
 def _stall(workdir: str, seconds: float) -> dict[int, int]:
     """Worker 1 stopped for ``seconds``, then resumed; every worker's peak RSS before it."""
     before = _peaks(workdir)
-    os.kill(_pids(workdir)[1], signal.SIGSTOP)
+    pid = worker_pid(workdir, 1)
+    os.kill(pid, signal.SIGSTOP)
     try:
         time.sleep(seconds)
     finally:
-        os.kill(_pids(workdir)[1], signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
     return before
 
 
@@ -160,7 +153,7 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         sys.executable,
         "-m",
         "spare_jax.launch",
-        "--processes=3",
+        f"--processes={PROCESSES}",
         "--devices_per_process=1",
         f"--collective_timeout_s={timeout}",
         *faults,

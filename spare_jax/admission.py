@@ -23,7 +23,6 @@ from spare_jax import (
     broadcast,
     compile_cache,
     errors,
-    inputs,
     multihost,
     rejoin,
     runlog,
@@ -164,9 +163,7 @@ class Admission:
         the next step's block, at its own pace; the input is checked again.
         """
         self._check_input = True
-        stacks, rows = inputs.load(self.step, self.batches, self.t)
-        self.input_rows += rows
-        self._held = {self.t: (self.step, stacks, rows)}
+        stacks, _ = self._input(self.t)
         self._at("compile")
         hits = compile_cache.counts()["cache_hits"]
         compile_s = self.step.precompile(self.state, stacks)
