@@ -3,9 +3,11 @@
     python benchmarks/rejoin_state.py                      # 1200 MB re-join, one job (minutes)
     python benchmarks/rejoin_state.py --sizes_mb=64,1200 --out=runs/rejoin_state
     python benchmarks/rejoin_state.py --case=stall --sizes_mb=16,64,256 --out=runs/rebuild
+    python benchmarks/rejoin_state.py --sizes_mb=2200 --processes=2   # over 2 GiB, 2 workers
 
-Each job is 3 workers of one CPU device each (one group each, r = 2) under
-``python -m spare_jax.launch``; the model is one float32 matrix of
+Each job is ``--processes`` workers (3 unless told) of one CPU device each
+(one group each, r = 2) under ``python -m spare_jax.launch``; the model is
+one float32 matrix of
 ``--sizes_mb`` trained with SGD (the loss touches every element, so every
 step's gradient and cross-group sum is the whole state).
 
@@ -61,7 +63,6 @@ from spare_jax.runlog import read_records
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLS = 1024
 PEAK = "rejoin_state: peak resident bytes "
-PROCESSES = 3
 
 _SIZES = flags.DEFINE_list("sizes_mb", ["1200"], "State sizes (MB of float32 parameters).")
 _STEPS = flags.DEFINE_integer(
@@ -77,6 +78,13 @@ _CASE = flags.DEFINE_enum(
     ["rejoin", "stall"],
     "rejoin: worker 1 killed and replaced; stall: worker 1 stopped past the collective timeout.",
 )
+_PROCESSES = flags.DEFINE_integer(
+    "processes",
+    3,
+    "Workers (one group each). 2 holds a state over 2 GiB on a 23 GB machine: the survivor "
+    "and the replacement.",
+    lower_bound=2,
+)
 _OUT = flags.DEFINE_string("out", "", "Directory for the jobs and rejoin_state.json (optional).")
 _ROLE = flags.DEFINE_enum("role", "driver", ["driver", "worker"], "Internal: worker mode.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Internal: the worker's work directory.")
@@ -87,9 +95,9 @@ def _loss(params, batch):
     return jnp.mean(batch["c"]) * jnp.mean(params["w"])
 
 
-def _batches(t: int, rows: int = 3 * 2) -> dict[str, np.ndarray]:
-    """Step t's global batch: one number per micro-batch (3 groups x 2 micro-batches)."""
-    return {"c": np.full((rows, 1), 1.0 + 0.01 * t, np.float32)}
+def _batches(t: int) -> dict[str, np.ndarray]:
+    """Step t's global batch: one number per micro-batch (2 per group)."""
+    return {"c": np.full((_PROCESSES.value * 2, 1), 1.0 + 0.01 * t, np.float32)}
 
 
 def _peak_bytes(pid: str = "self") -> int:
@@ -103,7 +111,7 @@ def _peak_bytes(pid: str = "self") -> int:
 def _peaks(workdir: str) -> dict[int, int]:
     """Every running worker's peak resident bytes so far."""
     peaks = {}
-    for p in range(PROCESSES):
+    for p in range(_PROCESSES.value):
         try:
             peaks[p] = _peak_bytes(str(worker_pid(workdir, p)))
         except (OSError, RuntimeError):  # it has exited
@@ -125,7 +133,7 @@ def _stall(workdir: str, seconds: float) -> dict[int, int]:
 
 def _worker() -> None:
     spare_jax.initialize()
-    mesh = spare_jax.make_mesh((1, 3, 1))
+    mesh = spare_jax.make_mesh((1, _PROCESSES.value, 1))
     step = spare_jax.make_train_step(_loss, optax.sgd(1e-3), mesh, redundancy=2, microbatches=2)
     rows = max(_SIZE.value * 10**6 // (4 * COLS), 1)
     try:
@@ -153,7 +161,7 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         sys.executable,
         "-m",
         "spare_jax.launch",
-        f"--processes={PROCESSES}",
+        f"--processes={_PROCESSES.value}",
         "--devices_per_process=1",
         f"--collective_timeout_s={timeout}",
         *faults,
@@ -165,6 +173,7 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         f"--workdir={workdir}",
         f"--size_mb={size_mb}",
         f"--steps={_STEPS.value}",
+        f"--processes={_PROCESSES.value}",
     ]
     event = "rejoin" if case == "rejoin" else "collectives_rebuilt"
     os.makedirs(workdir, exist_ok=True)
@@ -209,6 +218,7 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
     state = max(size_mb * 10**6 // (4 * COLS), 1) * COLS * 4
     figures = {
         "case": case,
+        "processes": _PROCESSES.value,
         "size_mb": size_mb,
         "state_bytes": state,
         "exit": proc.returncode,
@@ -272,7 +282,7 @@ def main(argv: list[str]) -> None:
     base = keep or tempfile.mkdtemp(prefix="spare_rejoin_state_")
     results = []
     for size in sizes:
-        workdir = os.path.join(base, f"{_CASE.value}-{size}mb")
+        workdir = os.path.join(base, f"{_CASE.value}-{size}mb-{_PROCESSES.value}p")
         figures = _job(workdir, size, _CASE.value)
         results.append(figures)
         print(json.dumps(figures), flush=True)
