@@ -7,9 +7,9 @@
 
 Each job is ``--processes`` workers (3 unless told) of one CPU device each
 (one group each, r = 2) under ``python -m spare_jax.launch``; the model is
-one float32 matrix of
-``--sizes_mb`` trained with SGD (the loss touches every element, so every
-step's gradient and cross-group sum is the whole state).
+one float32 matrix of ``--sizes_mb`` trained with SGD (the loss touches
+every element, so every step's gradient and cross-group sum is the whole
+state).
 
 ``--case=rejoin``: worker 1 SIGKILLs itself in the middle of step
 ``--kill_step`` (the launcher's injector, ``--replace_after_s=0``); the
