@@ -1,23 +1,37 @@
-"""A restore against the number of processes: read once per job, sent over the devices.
+"""A save and a restore against the number of processes, in both checkpoint layouts.
 
     python benchmarks/restore.py                           # 256 MB, 2, 3 and 4 processes
     python benchmarks/restore.py --size_mb=512 --processes=2,4 --out=runs/restore
+    python benchmarks/restore.py --layouts=sharded         # one layout only
 
-For each process count K, two jobs of K workers (one CPU device and one
-group each, r = 2) under ``python -m spare_jax.launch`` train one float32
-matrix of ``--size_mb`` with SGD in the same work directory: the first runs
-two steps and saves at its end; the second resumes from that checkpoint and
-runs one more step. In a job whose groups lie whole on processes only the
-writer reads the checkpoint; its group sends the state to the others over the
+For each process count K and layout, two jobs of K workers (one CPU device
+and one group each, r = 2) under ``python -m spare_jax.launch`` train one
+float32 matrix of ``--size_mb`` with SGD in the same work directory: the
+first runs three steps, saving after the second (the save measured) and at
+its end; the second resumes from step 3 and runs two more (one step fewer
+than the first: the first job's reads are taken off the second's below, and
+the restore's broadcast stands in for the missing step's collectives).
+The layouts (`spare_jax.fit`'s ``sharded_checkpoints``): *replica*, one
+writer copies its whole replica to its host and writes it; *sharded*, every
+process writes its part from its device (Orbax's replica-parallel save: a
+matrix whose rows K divides is split K ways; the row count here is a
+multiple of 60, so K = 2-6 all split). In both, only the writer reads the
+checkpoint on a resume; its group sends the state to the others over the
 devices (`spare_jax.broadcast`).
 
-Printed per K: the resume's ``restore_s`` (the writer's read, checked, and
-the send to every other group: the time until every process holds the
-state), and each process's bytes read (``rchar`` of ``/proc/self/io``) in
-the resuming job beyond the fresh one, as a multiple of the state: about 1
-for the writer and about 0 for the others when the job reads the checkpoint
-once, whatever K. Medians over ``--repeats`` pairs of jobs. ``--out`` keeps
-the jobs and appends the figures to ``restore.json``.
+Printed per K and layout, each process's figures as a multiple of the state:
+the bytes of the step-2 checkpoint on disk by the process that wrote them
+(Orbax keeps each process's under ``ocdbt.process_<p>``), the first job's
+peak memory (``VmHWM``: the state, the step's buffers and the save's host
+copy; on CPU the device's memory is the host's: a process that does not save
+shows what the rest costs), the save's stall (``save_s`` of its
+``checkpoint`` event: what the step loop waited for); the resume's
+``restore_s`` (the writer's read, checked, and the send to every other
+group) and each process's bytes read (``rchar`` of ``/proc/self/io``)
+beyond the first job's. The matrix holds random values: Orbax compresses
+what it writes, and a constant one would take no space.
+Medians over ``--repeats`` pairs of jobs. ``--out`` keeps the jobs and
+appends the figures to ``restore.json``.
 """
 
 from __future__ import annotations
@@ -43,12 +57,16 @@ from spare_jax.runlog import read_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLS = 1024
-READ = "restore_bench: rchar "
+ROWS_MULTIPLE = 60  # the rows split evenly over 2-6 processes (Orbax's replica-parallel rule)
+READ = "restore_bench: io "
 
 _SIZE = flags.DEFINE_integer(
     "size_mb", 256, "State size (MB of float32 parameters).", lower_bound=1
 )
 _PROCESSES = flags.DEFINE_list("processes", ["2", "3", "4"], "Process counts K (each >= 2).")
+_LAYOUTS = flags.DEFINE_multi_enum(
+    "layouts", ["replica", "sharded"], ["replica", "sharded"], "Checkpoint layouts to run."
+)
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Pairs of jobs per K (medians).", lower_bound=1)
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 900, "Seconds a job may take.", lower_bound=10)
 _OUT = flags.DEFINE_string("out", "", "Directory for the jobs and restore.json (optional).")
@@ -56,6 +74,7 @@ _ROLE = flags.DEFINE_enum("role", "driver", ["driver", "worker"], "Internal: wor
 _WORKDIR = flags.DEFINE_string("workdir", "", "Internal: the worker's work directory.")
 _STEPS = flags.DEFINE_integer("steps", 2, "Internal: the worker's steps.", lower_bound=1)
 _K = flags.DEFINE_integer("k", 2, "Internal: the worker's process count.", lower_bound=2)
+_SHARDED = flags.DEFINE_bool("sharded", False, "Internal: the worker's layout.")
 
 
 def _loss(params, batch):
@@ -63,15 +82,23 @@ def _loss(params, batch):
 
 
 def _rows() -> int:
-    return max(_SIZE.value * 10**6 // (4 * COLS), 1)
+    rows = _SIZE.value * 10**6 // (4 * COLS)
+    return max(rows // ROWS_MULTIPLE, 1) * ROWS_MULTIPLE
 
 
-def _rchar() -> int:
+def _io() -> dict[str, int]:
+    """This process's bytes read (``rchar`` of ``/proc/self/io``) and its peak RSS."""
+    out = {}
     with open("/proc/self/io", encoding="utf-8") as f:
         for line in f:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    return 0
+            name, value = line.split(":")
+            if name == "rchar":
+                out[name] = int(value)
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                out["hwm"] = int(line.split()[1]) * 1024
+    return out
 
 
 def _worker() -> None:
@@ -86,18 +113,20 @@ def _worker() -> None:
     try:
         spare_jax.fit(
             step,
-            {"w": np.full((_rows(), COLS), 0.5, np.float32)},
+            # Random bits: a constant matrix would shrink to nothing in Orbax's compressed files.
+            {"w": np.random.default_rng(0).standard_normal((_rows(), COLS), np.float32)},
             batches,
             steps=_STEPS.value,
             workdir=_WORKDIR.value,
-            checkpoint_steps=10**6,  # the end of the run saves
+            checkpoint_steps=2,  # the save measured: step 2, between two steps
+            sharded_checkpoints=_SHARDED.value,
         )
     finally:
-        print(f"{READ}{_rchar()}", flush=True)
+        print(f"{READ}{json.dumps(_io())}", flush=True)
 
 
-def _job(workdir: str, k: int, steps: int) -> dict[int, int]:
-    """Run one job to its end; each worker's rchar (by process)."""
+def _job(workdir: str, k: int, steps: int, sharded: bool) -> dict[int, dict[str, int]]:
+    """Run one job to its end; each worker's `_io` figures (by process)."""
     launch_dir = os.path.join(workdir, f"launch-{steps}")
     command = [
         sys.executable,
@@ -117,6 +146,7 @@ def _job(workdir: str, k: int, steps: int) -> dict[int, int]:
         f"--size_mb={_SIZE.value}",
         f"--steps={steps}",
         f"--k={k}",
+        f"--sharded={sharded}",
     ]
     log = os.path.join(workdir, f"launcher-{steps}.log")
     with open(log, "w", encoding="utf-8") as out:
@@ -132,27 +162,52 @@ def _job(workdir: str, k: int, steps: int) -> dict[int, int]:
     if code != 0:
         tail = pathlib.Path(log).read_text(errors="replace").strip()[-400:]
         raise RuntimeError(f"the job of {k} processes ({steps} steps) exited {code}:\n{tail}")
-    reads = {}
+    figures = {}
     for path in sorted(pathlib.Path(launch_dir).glob("worker-*.log")):
-        found = re.findall(rf"{READ}(\d+)", path.read_text(errors="replace"))
+        found = re.findall(rf"{READ}(.+)", path.read_text(errors="replace"))
         if found:
-            reads[int(path.stem.split("-")[1])] = int(found[-1])
-    return reads
+            figures[int(path.stem.split("-")[1])] = json.loads(found[-1])
+    return figures
 
 
-def _pair(workdir: str, k: int) -> dict:
+def _size(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _written(state_dir: pathlib.Path, k: int) -> dict[int, int]:
+    """Bytes of a checkpoint's state on disk, by the process that wrote them.
+
+    Orbax's OCDBT layout keeps each process's writes under ``ocdbt.process_<p>``;
+    the rest (the merged manifest, the metadata, or the whole ``replica.npz``)
+    is the writer's, process 0 here.
+    """
+    own = {p: _size(state_dir / f"ocdbt.process_{p}") for p in range(k)}
+    own[0] += _size(state_dir) - sum(own.values())
+    return own
+
+
+def _pair(workdir: str, k: int, sharded: bool) -> dict:
     os.makedirs(workdir, exist_ok=True)
-    fresh = _job(workdir, k, 2)
-    resumed = _job(workdir, k, 3)
-    (event,) = [
-        r
-        for r in read_records(os.path.join(workdir, "metrics.jsonl"))
-        if r.get("event") == "resume"
-    ]
+    fresh = _job(workdir, k, 3, sharded)
+    written = _written(pathlib.Path(workdir) / "checkpoints" / "2" / "state", k)
+    resumed = _job(workdir, k, 5, sharded)
+    records = read_records(os.path.join(workdir, "metrics.jsonl"))
+    (event,) = [r for r in records if r.get("event") == "resume"]
+    saved = [r for r in records if r.get("event") == "checkpoint" and r["step"] == 2]
     state = _rows() * COLS * 4
+
+    def over(figures: dict[int, dict[str, int]], key: str, less=None) -> dict[int, float]:
+        return {
+            p: (figures[p][key] - (less or {}).get(p, {}).get(key, 0)) / state
+            for p in sorted(figures)
+        }
+
     return {
+        "save_s": saved[0]["save_s"],
+        "written_over_state": {p: n / state for p, n in written.items()},
+        "peak_rss_over_state": over(fresh, "hwm"),
         "restore_s": event["restore_s"],
-        "read_over_state": {p: (resumed[p] - fresh.get(p, 0)) / state for p in sorted(resumed)},
+        "read_over_state": over(resumed, "rchar", fresh),
     }
 
 
@@ -171,29 +226,50 @@ def main(argv: list[str]) -> None:
     base = keep or tempfile.mkdtemp(prefix="spare_restore_")
     state = _rows() * COLS * 4
     print(f"state {state / 1e6:.0f} MB; medians of {_REPEATS.value} pair(s) of jobs per K")
+    print("per process, as multiples of the state: written, the saving job's peak RSS, read")
     print(
-        f"{'K':>3} {'restore s':>9} {'vs K=' + str(counts[0]):>7} {'read / state, by process':>30}"
+        f"{'K':>3} {'layout':>8} {'save s':>7} {'written':>18} "
+        f"{'peak RSS':>18} {'restore s':>9} {'read':>18}"
     )
-    results, base_s = [], None
+    results = []
     for k in counts:
-        pairs = [_pair(os.path.join(base, f"k{k}-{i}"), k) for i in range(_REPEATS.value)]
-        restore_s = statistics.median(p["restore_s"] for p in pairs)
-        reads = {
-            p: round(statistics.median(x["read_over_state"][p] for x in pairs), 2)
-            for p in pairs[0]["read_over_state"]
-        }
-        base_s = base_s or restore_s
-        figures = {
-            "processes": k,
-            "state_bytes": state,
-            "restore_s": round(restore_s, 4),
-            "ratio_to_first": round(restore_s / base_s, 3),
-            "read_over_state": reads,
-            "read_over_state_total": round(sum(reads.values()), 2),
-        }
-        results.append(figures)
-        shown = " ".join(f"{v:.2f}" for v in reads.values())
-        print(f"{k:>3} {restore_s:9.2f} {restore_s / base_s:7.2f} {shown:>30}", flush=True)
+        for layout in _LAYOUTS.value:
+            sharded = layout == "sharded"
+            pairs = [
+                _pair(os.path.join(base, f"k{k}-{layout}-{i}"), k, sharded)
+                for i in range(_REPEATS.value)
+            ]
+
+            def median(key: str, pairs=pairs) -> dict[int, float]:
+                return {
+                    p: round(statistics.median(x[key][p] for x in pairs), 2) for p in pairs[0][key]
+                }
+
+            figures = {
+                "processes": k,
+                "layout": layout,
+                "state_bytes": state,
+                "save_s": round(statistics.median(p["save_s"] for p in pairs), 4),
+                "written_over_state": median("written_over_state"),
+                "peak_rss_over_state": median("peak_rss_over_state"),
+                "restore_s": round(statistics.median(p["restore_s"] for p in pairs), 4),
+                "read_over_state": median("read_over_state"),
+            }
+            figures["written_over_state_total"] = round(
+                sum(figures["written_over_state"].values()), 2
+            )
+            figures["read_over_state_total"] = round(sum(figures["read_over_state"].values()), 2)
+            results.append(figures)
+
+            def shown(key: str, figures=figures) -> str:
+                return " ".join(f"{v:.2f}" for v in figures[key].values())
+
+            print(
+                f"{k:>3} {layout:>8} {figures['save_s']:7.2f} {shown('written_over_state'):>18} "
+                f"{shown('peak_rss_over_state'):>18} {figures['restore_s']:9.2f} "
+                f"{shown('read_over_state'):>18}",
+                flush=True,
+            )
     for figures in results:
         print(json.dumps(figures), flush=True)
     if keep:

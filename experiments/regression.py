@@ -65,6 +65,12 @@ _BALANCE = flags.DEFINE_bool(
     False,
     "Multi-process: give groups measured to be slow fewer micro-batches (spare_jax.balancing).",
 )
+_SHARDED_CHECKPOINTS = flags.DEFINE_bool(
+    "sharded_checkpoints",
+    False,
+    "Multi-process: every live process writes its part of each checkpoint "
+    "(fit's sharded_checkpoints).",
+)
 ROWS = 4  # rows of one micro-batch
 MICROBATCHES = 2
 
@@ -169,6 +175,7 @@ def main(argv: list[str]) -> None:
         checkpoint_steps=_CHECKPOINT_STEPS.value or None,
         compile_cache=compile_cache,
         balance=_BALANCE.value,
+        sharded_checkpoints=_SHARDED_CHECKPOINTS.value,
     )
     path = os.path.join(workdir, f"params-{jax.process_index()}.npz")
     np.savez(path, **result.params)

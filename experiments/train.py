@@ -146,6 +146,12 @@ _BALANCE = flags.DEFINE_bool(
     "Multi-process: measure each process's groups' speed and give slow groups fewer "
     "micro-batches when that shortens the step (exact; a straggler event says so).",
 )
+_SHARDED_CHECKPOINTS = flags.DEFINE_bool(
+    "sharded_checkpoints",
+    False,
+    "Multi-process: every live process writes its part of each checkpoint from its devices "
+    "(about 1/G each), instead of one writer saving its whole replica from its host.",
+)
 
 
 def _config() -> object:
@@ -311,6 +317,7 @@ def _train(run, failures, workdir, config, joined) -> int:
             warmup_steps=int(ck.warmup_steps),
             precompile_failures=_PRECOMPILE.value,
             balance=_BALANCE.value,
+            sharded_checkpoints=_SHARDED_CHECKPOINTS.value,
             on_step=on_step,
             compile_cache=None if _COMPILATION_CACHE.value else False,  # set in _start_jax
         )

@@ -207,6 +207,8 @@ class Admission:
         self.members |= set(epoch.joiners)
         self.lost_processes = [p for p in self.lost_processes if p not in epoch.joiners]
         self.failures.alive[back] = True
+        if self.shared_saves and epoch.joiners:  # the newcomers write their part too
+            self._regroup_saves()
         self._rejoined = back
 
     def _joined(self, epoch: rejoin.Epoch, start: float, moved: broadcast.Moved) -> None:

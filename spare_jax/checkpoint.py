@@ -45,6 +45,7 @@ import shutil
 import statistics
 import time
 import zipfile
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,7 @@ __all__ = [
     "host_replica",
     "missing_files",
     "param_checksum",
+    "replica_split",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ log = logging.getLogger(__name__)
 UNMODELLED_MTBI_S = 54 * 24 * 3600 / 47
 RUN_FRACTION = 0.1  # at most a tenth of the run's work between saves
 STALL_SHARE = 0.05  # the ceiling never makes save stalls more than 5% of the time
+SPLIT_SHARE = 0.9  # sharded saves: split the writing so that this share of the bytes splits
 
 
 class NoUsableCheckpoint(errors.FitError):
@@ -267,6 +270,37 @@ def host_replica(state: Any) -> tuple[Any, dict[str, Any]]:
         "param_checksum": param_checksum(state.params),
     }
     return jax.tree.map(multihost.host_copy, state), checks
+
+
+def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int) -> int:
+    """The most replicas a sharded save splits each array's writing over: most bytes split.
+
+    Orbax's replica-parallel save cuts each array's shard along an axis that
+    the number of its replicas divides; an array with no such axis is written
+    by one replica alone. With 1,000 groups and dimensions that are powers of
+    two, nothing would split. Orbax can be told to split over at most ``c``
+    replicas: this is the largest ``c`` under which the arrays holding at
+    least `SPLIT_SHARE` of the bytes split (``min(replicas, c)`` divides an
+    axis of the shard, or the array has one replica: its holder writes it).
+
+    ``shards``: each array's shard shape, bytes and replicas inside one group
+    (its replicas are those times ``groups``, the live groups).
+    """
+    if not shards:
+        return 1
+    nbytes = np.array([n for _, n, _ in shards], np.float64)
+    replicas = np.array([groups * m for _, _, m in shards], np.int64)
+    top = int(replicas.max())
+    if top <= 1 or nbytes.sum() == 0:
+        return 1
+    counts = np.arange(2, top + 1)
+    k = np.minimum(replicas[:, None], counts[None, :])  # [array, count]: replicas it splits over
+    splits = k == 1
+    for axis in range(max(len(shape) for shape, _, _ in shards)):
+        dims = np.array([shape[axis] if axis < len(shape) else -1 for shape, _, _ in shards])
+        splits |= (dims[:, None] % k == 0) & (dims[:, None] > 0)
+    good = nbytes @ splits >= SPLIT_SHARE * nbytes.sum()
+    return int(counts[good].max()) if good.any() else 1
 
 
 def _check_digest(state: Any, saved: list[int]) -> None:
@@ -502,12 +536,17 @@ class Checkpointer:
         writer: bool = True,
         process_local: bool = False,
         group: tuple[int, set[int]] | None = None,
+        shards: Sequence[tuple[tuple[int, ...], int, int]] = (),
+        replicas: int = 1,
     ):
         self.directory = os.path.abspath(directory)
-        # (primary, live processes): every one of them writes its own shards of the
-        # global state (groups spanning processes); the primary commits.
+        # (primary, live processes): every one of them writes its part of the global
+        # state (sharded checkpoints; groups spanning processes); the primary commits.
         self.group = (int(group[0]), frozenset(group[1])) if group is not None else None
-        self._epoch = 0
+        self._scope = "spare-m0"
+        # Sharded saves: each array's shard shape, bytes and replicas in a group; the live
+        # groups (`replica_split`).
+        self._shards, self._replicas = list(shards), int(replicas)
         self.policy = policy
         self.keep = checks.integer("keep", keep, low=1)
         self.use_async = use_async
@@ -539,7 +578,7 @@ class Checkpointer:
             multiprocessing = ocp.options.MultiprocessingOptions(
                 primary_host=primary,
                 active_processes=set(active),
-                barrier_sync_key_prefix=f"spare-m{self._epoch}",
+                barrier_sync_key_prefix=self._scope,
             )
         else:
             multiprocessing = ocp.options.MultiprocessingOptions()
@@ -565,26 +604,51 @@ class Checkpointer:
         )
         if local_dirs and writer:
             os.makedirs(self.directory, exist_ok=True)
-        state = (
-            ReplicaHandler()
-            if self.process_local
-            else ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
-        )
+        if self.process_local:
+            state = ReplicaHandler()
+        elif self.group is None:
+            state = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
+        else:
+            state = self._shared_handler(multiprocessing)
         handlers = {
             "state": state,
             "meta": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
         }
         return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
+    def _shared_handler(self, multiprocessing: Any) -> ocp.PyTreeCheckpointHandler:
+        """Every live process writes its part, split `replica_split` ways; the primary commits."""
+        arrays = ocp.type_handlers.ArrayHandler(
+            primary_host=self.group[0],
+            max_replicas_for_replica_parallel=replica_split(self._shards, self._replicas),
+        )
+        registry = ocp.type_handlers.create_type_handler_registry(
+            (jax.Array, arrays),
+            (np.ndarray, ocp.type_handlers.NumpyHandler()),
+            (np.number, ocp.type_handlers.ScalarHandler()),
+            (int, ocp.type_handlers.ScalarHandler()),
+            (float, ocp.type_handlers.ScalarHandler()),
+        )
+        return ocp.PyTreeCheckpointHandler(
+            multiprocessing_options=multiprocessing, type_handler_registry=registry
+        )
+
     def moves_files(self, writer: bool | None = None) -> bool:
         """Whether this process cleans up and sets damaged checkpoints aside (one process does)."""
         writer = self.writer if writer is None else writer
         return writer and (self.group is None or self.group[0] == jax.process_index())
 
-    def regroup(self, primary: int, active: set[int]) -> None:
-        """The live processes changed: save with these from now on (a new barrier scope)."""
+    def regroup(self, primary: int, active: set[int], when: str, replicas: int = 1) -> None:
+        """The live processes changed: save with these from now on, in a new barrier scope.
+
+        The scope is named by ``when`` (the same on every one of them, e.g. the
+        attempt and step) and the set itself, so that a process that joins the
+        job later names it as the others do. ``replicas``: the live groups.
+        """
         self.close()
-        self.group, self._epoch = (int(primary), frozenset(active)), self._epoch + 1
+        self._replicas = int(replicas)
+        self.group, self.process_local = (int(primary), frozenset(active)), False
+        self._scope = f"spare-{when}-{zlib.crc32(repr(sorted(active)).encode()):08x}"
         self._manager = self._open(True)
 
     def become_writer(self) -> None:
@@ -627,9 +691,11 @@ class Checkpointer:
             saved = self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state)
-                    if not self.process_local
-                    else ReplicaSave(state),
+                    state=ReplicaSave(state)
+                    if self.process_local
+                    else ocp.args.StandardSave(state)
+                    if self.group is None
+                    else ocp.args.PyTreeSave(state),
                     meta=ocp.args.JsonSave(
                         {
                             **meta,
@@ -745,13 +811,16 @@ class Checkpointer:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.replace(source, target)
 
-    def _read(self, step: int, abstract_state: Any, host_target: Any) -> tuple[Any, dict, bool]:
+    def _read(
+        self, step: int, abstract_state: Any, host_target: Any, local: bool
+    ) -> tuple[Any, dict, bool]:
         """The state and record of committed checkpoint ``step``, in whichever layout it is.
 
         Read with the item handlers directly (not the manager's, which are this
         process's layout): a checkpoint written by a multi-process job resumes
-        in a lone process and the other way round. The flag says the state is
-        on the host (to be placed).
+        in a lone process and the other way round. ``local``: this process reads
+        it alone, onto its host, waiting on no other. The flag returned says the
+        state is on the host (to be placed).
         """
         path = os.path.join(self.directory, str(step))
         with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
@@ -759,13 +828,17 @@ class Checkpointer:
         state_dir = epath.Path(path) / "state"
         if (state_dir / _REPLICA).exists():
             return ReplicaHandler().restore(state_dir, ReplicaRestore(host_target)), meta, True
-        handler = ocp.StandardCheckpointHandler(multiprocessing_options=self._multiprocessing)
+        me = jax.process_index()
+        alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        handler = ocp.StandardCheckpointHandler(
+            multiprocessing_options=alone if local else self._multiprocessing
+        )
         try:
-            target = host_target if self.process_local else abstract_state
+            target = host_target if local else abstract_state
             state = handler.restore(state_dir, args=ocp.args.StandardRestore(target))
         finally:
             handler.close()
-        return state, meta, self.process_local
+        return state, meta, local
 
     def restore_latest(self, abstract_state: Any, *, place: bool = True) -> Restored | None:
         """The newest checkpoint that restores and checks out; None when there is none at all.
@@ -792,7 +865,8 @@ class Checkpointer:
             tried += 1
             start = time.perf_counter()
             try:
-                state, meta, host = self._read(step, abstract_state, host_target)
+                local = self.process_local or not place
+                state, meta, host = self._read(step, abstract_state, host_target, local)
                 if "state_digest" in meta:  # every bit of every array: the stronger check
                     _check_digest(state, meta["state_digest"])
                 else:

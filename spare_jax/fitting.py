@@ -204,6 +204,7 @@ def fit(
     warmup_steps: int = 3,
     precompile_failures: bool = False,
     balance: bool = False,
+    sharded_checkpoints: bool = False,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     compile_cache: str | None | bool = None,
 ) -> FitResult:
@@ -238,6 +239,12 @@ def fit(
         balance: multi-process: measure each failure domain's compute speed and,
             when it pays, give slow groups fewer micro-batches (exact; a
             ``straggler`` event says so; `spare_jax.balancing`). Off by default.
+        sharded_checkpoints: multi-process with whole groups per process: every
+            live process writes its part of each checkpoint from its devices
+            (Orbax, replica-parallel: about 1/G of the state each), saving
+            between steps, instead of one writer copying its whole replica to
+            its host and writing it in the background (docs/checkpointing.md,
+            "Who writes"). Groups spanning processes always save this way.
         on_step: called with each step's record (the ``metrics.jsonl`` fields).
         compile_cache: where JAX's persistent compilation cache keeps the
             compiled programs, so that a rerun or a relaunched job loads them
@@ -301,6 +308,7 @@ def fit(
             gpu_mtbf_hours=gpu_mtbf_hours,
             precompile_failures=bool(precompile_failures),
             balance=bool(balance),
+            sharded_checkpoints=bool(sharded_checkpoints),
             on_step=on_step,
             fault_hook=testing.fault_hook_from_env(),
         )

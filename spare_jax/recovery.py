@@ -121,8 +121,8 @@ class ProcessLoss:
         origin = max([started, *[k for k in killed if k is not None]])
         if self.writer_process in {*dead_procs, *leaving}:
             self.writer_process = int(self.owners[self.live_groups].min())
-        if self.spanning:  # every live process takes part in a save: a new group of them
-            self.ckpt.regroup(self.writer_process, self.members)
+        if self.shared_saves:  # every live process takes part in a save: a new group of them
+            self._regroup_saves()
         if self._is_writer():
             self.log.become_writer()
             self.ckpt.become_writer()
@@ -178,8 +178,8 @@ class ProcessLoss:
         self.lost_processes = sorted({*self.lost_processes, *procs})
         if self.writer_process in procs:
             self.writer_process = int(self.owners[self.live_groups].min())
-        if self.spanning:
-            self.ckpt.regroup(self.writer_process, self.members)
+        if self.shared_saves:
+            self._regroup_saves()
         if self._is_writer():
             self.log.become_writer()
             self.ckpt.become_writer()

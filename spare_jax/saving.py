@@ -85,25 +85,25 @@ class Saving:
         """Let Orbax's policy decide on step ``t`` (or force it); note finished saves."""
         for saved in self.ckpt.poll():
             self._note(saved)
-        due = self._agreed_save if self.spanning else self.ckpt.due(self.t)
+        due = self._agreed_save if self.shared_saves else self.ckpt.due(self.t)
         self._agreed_save = False
         if not (force or due):  # most steps: nothing to build or copy
             return
-        if self.multi and not self.spanning and not self.ckpt.writer:
+        if self.multi and not self.shared_saves and not self.ckpt.writer:
             return  # the writer saves its replica; no copy here to throw away
         self._at("checkpoint")
         # Orbax waits for the previous save before starting this one anyway: put it on
         # record first, so that a kill during this save cannot lose its event.
         for saved in self.ckpt.wait():
             self._note(saved)
-        local = self.multi and not self.spanning  # one process's whole replica, on its host
+        local = self.multi and not self.shared_saves  # one process's whole replica, on its host
         began = time.perf_counter()  # the stall counts the copy off the devices
         if local:
             state, checks = ckpt_lib.host_replica(self.state)
             meta = {**self._meta(), **checks}
         else:
             meta, state = self._meta(), self.step.global_state(self.state)
-        if self.spanning:
+        if self.shared_saves:
             stall = self._save_together(state, force or due)
         else:
             stall = self.ckpt.save(self.t, state, meta, force=force or due, started=began)

@@ -105,6 +105,9 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         gpu_mtbf_hours: the failure rate the interval model assumes when none is configured.
         precompile_failures: multi-process: compile at start-up the step each single
             process failure would leave, so that a recovery does not compile.
+        sharded_checkpoints: multi-process with whole groups per process: every live
+            process writes its part of each checkpoint (as groups spanning processes
+            always do) instead of one writer saving its whole replica.
         on_step: called with each per-step record.
         fault_hook: called with ``t`` at the start of each step, inside its
             membership scope (`spare_jax.testing`).
@@ -126,6 +129,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         gpu_mtbf_hours: float = 5.1e4,
         precompile_failures: bool = False,
         balance: bool = False,
+        sharded_checkpoints: bool = False,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         fault_hook: Callable[[int], None] | None = None,
     ):
@@ -155,7 +159,10 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         # Groups spanning processes: no process holds a whole replica, so checkpoints
         # are written by every live process (Orbax multi-process) at agreed steps.
         self.spanning = self.multi and bool((self.owners != self.owners[:, :1]).any())
-        self._agreed_save, self._restores = False, 0  # spanning's save vote; restores so far
+        # Every live process writes its part of each checkpoint, at steps they agree on:
+        # always with spanning groups, on request with whole groups per process.
+        self.shared_saves = self.spanning or (self.multi and sharded_checkpoints)
+        self._agreed_save, self._restores = False, 0  # shared saves' vote; restores so far
         self._by_group = multihost.group_devices(step.mesh)
         self._all = list(step.mesh.devices.flat)  # the job's devices: membership is checked on all
         # The whole job's layout by device id: a re-join rebuilds it on a new backend.
@@ -168,20 +175,32 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         self.writer_process = int(self.owners.min()) if self.multi else 0
         writer = self._is_writer() and not self.replacement
         self.log = runlog.RunLog(workdir, writer=writer)
+        shared = self.shared_saves and not self.replacement
+        self.global_abstract = step.abstract_state(params)
+
+        def per_group(a: jax.ShapeDtypeStruct) -> int:  # the devices of a group holding a shard
+            shards = {str(i) for i in a.sharding.devices_indices_map(a.shape).values()}
+            return max(len(a.sharding.device_set) // (len(shards) * step.groups), 1)
+
         self.ckpt = ckpt_lib.Checkpointer(
             os.path.join(workdir, "checkpoints"),
             self.interval,
             keep=keep,
-            writer=writer or self.spanning,
-            process_local=self.multi and not self.spanning,
-            group=(self.writer_process, self.members) if self.spanning else None,
-            # Spanning: a save in flight has barriers with every live process; one lost
-            # in it would hold the survivors for Orbax's barrier timeout. Saves finish
-            # between steps instead.
-            use_async=not self.spanning,
+            writer=writer or shared,
+            # A replacement opens no checkpoints until it is in the save group (`_regrow`).
+            process_local=self.multi and not shared,
+            group=(self.writer_process, self.members) if shared else None,
+            # Shared saves: a save in flight has barriers with every live process; one
+            # lost in it would hold the survivors for Orbax's barrier timeout. Saves
+            # finish between steps instead.
+            use_async=not self.shared_saves,
+            shards=[
+                (a.sharding.shard_shape(a.shape), a.size * a.dtype.itemsize, per_group(a))
+                for a in jax.tree.leaves(self.global_abstract)
+            ],
+            replicas=step.groups,
         )
         self.attempt = self.log.next_attempt
-        self.global_abstract = step.abstract_state(params)
         self.step_times: list[float] = []
         self.rollbacks = 0
         self.state: Any = None
@@ -321,7 +340,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
                     try:
                         timed = self._tracker is not None  # balancing: own compute time
                         sums = self.step.reduce(self.state, stacks, table, timed=timed)
-                        if self.spanning:  # the next save, agreed by every live process
+                        if self.shared_saves:  # the next save, agreed by every live process
                             vote = multihost.agree(self.step.mesh, self.ckpt.due(self.t + 1))
                         if fresh:  # the update runs first next, at its own pace:
                             self._warm.setdefault(self.step, set()).add(self.step.slot_bound)
@@ -329,7 +348,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
                         self._prefetch(self.t + 1)
                         jax.block_until_ready(sums)
                         self._balance(fresh)
-                        if self.spanning:
+                        if self.shared_saves:
                             self._agreed_save = bool(host_scalar(vote))
                     finally:  # done or failed, it waits for its peers in the live-set check
                         self._at("sync")
@@ -478,6 +497,15 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         }
         self.log.write_summary(summary)
         return summary
+
+    def _regroup_saves(self) -> None:
+        """The live processes changed: every one of them saves with the others from now on."""
+        self.ckpt.regroup(
+            self.writer_process,
+            self.members,
+            f"{self.attempt}-{self.t}",
+            replicas=len(self.live_groups),
+        )
 
     def params(self) -> Any:
         """The current parameters as host NumPy arrays (this process's full replica).

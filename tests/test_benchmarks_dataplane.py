@@ -256,15 +256,30 @@ def test_rejoin_state_benchmark_stall_rebuilds_keeping_one_copy_of_the_own_shard
 
 @pytest.mark.slow
 def test_restore_benchmark_reads_the_checkpoint_once_per_job(tmp_path):
-    """2 and 3 processes resume a 16 MB state: the writer reads it once, the others
-    nothing (the state reaches them over the devices), whatever the process count."""
+    """2 and 3 processes save and resume a 16 MB state in both layouts: a replica is
+    written by the writer alone, sharded checkpoints by every process about 1/K each
+    (Orbax compresses a little); either is read once, by the writer, and the others
+    read nothing (the state reaches them over the devices), whatever the process count."""
     result = _run("restore.py", "--size_mb=16", "--processes=2,3", f"--out={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "restore.json").read_text().splitlines()]
-    assert [r["processes"] for r in records] == [2, 3], records
+    assert [(r["processes"], r["layout"]) for r in records] == [
+        (2, "replica"),
+        (2, "sharded"),
+        (3, "replica"),
+        (3, "sharded"),
+    ], records
     for r in records:
-        assert _positive(r["restore_s"]), r
-        reads = r["read_over_state"]
-        assert sorted(reads) == [str(p) for p in range(r["processes"])], r
-        assert 0.95 <= reads["0"] <= 1.3, r  # the writer: the checkpoint, once
+        k = r["processes"]
+        assert _positive(r["restore_s"]) and _positive(r["save_s"]), r
+        reads, written = r["read_over_state"], r["written_over_state"]
+        assert sorted(reads) == sorted(written) == [str(p) for p in range(k)], r
+        assert sorted(r["peak_rss_over_state"]) == sorted(reads), r
+        assert 0.8 <= reads["0"] <= 1.3, r  # the writer: the checkpoint, once
         assert all(reads[p] < 0.1 for p in reads if p != "0"), r  # the others: over the devices
+        if r["layout"] == "replica":
+            assert 0.99 <= written["0"] <= 1.01, r
+            assert all(written[p] == 0 for p in written if p != "0"), r
+        else:  # each process its part; the writer also the small merged index
+            assert all(0.6 / k <= written[p] <= 1.1 / k for p in written), r
+            assert 0.8 <= r["written_over_state_total"] <= 1.05, r

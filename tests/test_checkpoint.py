@@ -8,6 +8,8 @@ import launching as lj
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import spare_jax
 from spare_jax import analysis, checkpoint
@@ -395,3 +397,50 @@ def test_a_record_without_a_digest_restores_on_the_parameter_checksum_alone(tmp_
     assert restored.step == 2
     assert [p.name.split("-")[0] for p in (tmp_path / "ckpt" / "corrupt").iterdir()] == ["4"]
     ckpt.close()
+
+
+def test_replica_split_takes_the_most_replicas_that_split_most_of_the_bytes():
+    # 1,000 groups and dimensions that are powers of two: 1,000 divides none, 512 does.
+    assert checkpoint.replica_split([((512, 4096), 100, 1), ((4096,), 1, 8)], 1000) == 512
+    assert checkpoint.replica_split([((60, 1024), 1, 1)], 3) == 3  # 3 divides 60
+    assert checkpoint.replica_split([((8, 16), 1, 1)], 3) == 2
+    assert checkpoint.replica_split([((7,), 1, 1)], 4) == 1  # nothing splits: one replica writes
+    assert checkpoint.replica_split([((8, 16), 1, 1)], 1) == 1  # one group: no replica to split
+    # Replicated inside each group of 2 as well: 4 groups hold 8 replicas, and 8 divides 8.
+    assert checkpoint.replica_split([((8, 16), 1, 2)], 4) == 8
+    # A small array that splits no way does not hold the big one back (under 10% of bytes).
+    assert checkpoint.replica_split([((96, 8), 95, 1), ((5,), 5, 1)], 6) == 6
+    # Neither 6 nor 5 splits 90% of these bytes; 2 splits all of them.
+    assert checkpoint.replica_split([((96, 8), 85, 1), ((10,), 15, 1)], 6) == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 96), min_size=1, max_size=3).map(tuple),
+            st.integers(1, 1000),
+            st.integers(1, 4),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 32),
+)
+def test_replica_split_is_the_largest_count_that_splits_the_share(shards, groups):
+    """Against the rule tried at every count: no larger count splits the share; this one does."""
+    c = checkpoint.replica_split(shards, groups)
+    total = sum(n for _, n, _ in shards)
+    top = max(groups * m for _, _, m in shards)
+
+    def split(k: int) -> int:
+        return sum(
+            n
+            for shape, n, m in shards
+            if min(groups * m, k) == 1 or any(d % min(groups * m, k) == 0 for d in shape)
+        )
+
+    assert 1 <= c <= max(top, 1)
+    if c > 1:
+        assert split(c) >= checkpoint.SPLIT_SHARE * total
+    assert all(split(k) < checkpoint.SPLIT_SHARE * total for k in range(c + 1, top + 1))

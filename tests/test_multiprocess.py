@@ -202,6 +202,67 @@ def test_two_losses_apart_recompile_only_the_cross_program(env, tmp_path, refere
     lj.no_process_left(tmp_path)
 
 
+def _writers(state_dir: pathlib.Path) -> list[int]:
+    """The processes that wrote a part of a sharded checkpoint (Orbax's per-process OCDBT)."""
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in state_dir.glob("ocdbt.process_*"))
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["worker", "writer"])
+def test_sharded_checkpoints_are_written_by_every_live_process_and_restore_exactly(
+    env, tmp_path, reference, victim
+):
+    """--sharded_checkpoints: no replica.npz; the live processes write it together, a killed
+    one (the writer too) stops writing and the survivors' saves go on without it; the job
+    ends exact; a lone process and a job of 4 resume from those checkpoints exactly.
+
+    Which live processes hold data files is Orbax's choice (replica-parallel needs an
+    axis that the replica count divides: 4 groups of 2 devices split these arrays over
+    all four processes, 3 groups leave them to one).
+    """
+    ckpts = tmp_path / "checkpoints"
+    job = _start(env, tmp_path, "--sharded_checkpoints", "--checkpoint_steps=10")
+    try:
+        # Between two saves: a loss inside one waits in Orbax's barriers (a relaunch).
+        job.wait_for(lambda: lj.events(tmp_path, "checkpoint"), what="the save of step 10")
+        job.signal(victim, signal.SIGKILL)
+        code = job.finish()
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    masked = lj.assert_masked(tmp_path, reference, [victim], STEPS)
+    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert steps == [10, 20, 30], steps
+    for step in steps:
+        state = ckpts / str(step) / "state"
+        assert checkpoint.missing_files(str(ckpts / str(step))) is None, step
+        assert not (state / "replica.npz").exists()
+        if masked and step > 10:  # saved after the loss: by the survivors alone
+            assert _writers(state) and victim not in _writers(state), (step, _writers(state))
+    assert not (ckpts / "corrupt").exists()
+    # A lone process reads the job's sharded checkpoint: nothing left to do, every leaf exact.
+    alone = subprocess.run(
+        lj.regression_command(tmp_path, f"--steps={STEPS}", "--checkpoint_steps=5"),
+        cwd=lj.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert lj.events(tmp_path, "resume")[-1]["step"] == STEPS
+    lj.assert_params(tmp_path, reference, [0])
+    # A job of 4 resumes from it (the writer reads it once and sends it over the devices).
+    again = _start(
+        env, tmp_path, "--sharded_checkpoints", "--checkpoint_steps=10", steps=STEPS + 10
+    )
+    assert again.finish() == 0, again.output()[-3000:]
+    assert lj.events(tmp_path, "resume")[-1]["step"] == STEPS
+    assert _writers(ckpts / str(STEPS + 10) / "state") == [0, 1, 2, 3]
+    lj.assert_params(tmp_path, lj.reference_params(STEPS + 10), range(4))
+    lj.no_process_left(tmp_path)
+
+
 def test_a_killed_launcher_takes_its_workers_and_a_rerun_resumes(env, tmp_path):
     job = _start(env, tmp_path, steps=200)
     try:

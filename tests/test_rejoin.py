@@ -18,6 +18,7 @@ from __future__ import annotations
 import pathlib
 import re
 import signal
+import subprocess
 
 import launching as lj
 import pytest
@@ -45,8 +46,12 @@ def reference():
     return lj.reference_params(STEPS)
 
 
-def _start(env, workdir: pathlib.Path, flags: tuple[str, ...] = ()) -> lj.Job:
-    worker = lj.regression_command(workdir, f"--steps={STEPS}", "--checkpoint_steps=50")
+def _start(
+    env, workdir: pathlib.Path, flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = ()
+) -> lj.Job:
+    worker = lj.regression_command(
+        workdir, f"--steps={STEPS}", "--checkpoint_steps=50", *worker_flags
+    )
     return lj.Job(lj.launcher(workdir, worker, "--replace_after_s=0.5", *flags), workdir, env)
 
 
@@ -63,10 +68,12 @@ def _kill_and_wait_for_rejoin(
     )
 
 
-def _run(env, workdir: pathlib.Path, victims: list[tuple[int, int]], flags=()) -> bool:
+def _run(
+    env, workdir: pathlib.Path, victims: list[tuple[int, int]], flags=(), worker_flags=()
+) -> bool:
     """One job; each (process, steps, signal) sent that many steps after the last re-join (or
     the start). True when every one re-joined."""
-    job = _start(env, workdir, flags)
+    job = _start(env, workdir, flags, worker_flags)
     try:
         for n, (process, after, sig) in enumerate(victims, start=1):
             _kill_and_wait_for_rejoin(job, process, after, sig, n)
@@ -116,7 +123,9 @@ def _false_alarm(workdir: pathlib.Path, victims) -> bool:
     return any(ALIVE_FAILED in log.read_text(errors="replace") for log in logs)
 
 
-def _scenario(env, tmp_path: pathlib.Path, reference, victims, flags=()) -> pathlib.Path:
+def _scenario(
+    env, tmp_path: pathlib.Path, reference, victims, flags=(), worker_flags=()
+) -> pathlib.Path:
     """On CPU a neighbour of a peer killed mid-collective can abort in Gloo
     (docs/multihost.md): then, with that evidence in its log, the job must have
     relaunched and ended exact, and the scenario runs once more. The same when a
@@ -125,7 +134,7 @@ def _scenario(env, tmp_path: pathlib.Path, reference, victims, flags=()) -> path
     for attempt in range(2):
         workdir = tmp_path / f"run{attempt}"
         workdir.mkdir()
-        if _run(env, workdir, victims, flags):
+        if _run(env, workdir, victims, flags, worker_flags):
             if attempt == 0 and _false_alarm(workdir, victims):
                 lj.assert_params(workdir, reference, range(4))
                 steps = [r for r in lj.records(workdir) if "loss" in r]
@@ -161,3 +170,32 @@ def test_a_warm_spare_takes_a_killed_workers_place_and_rejoins_exactly(env, tmp_
     said = (workdir.parent / f"{workdir.name}.launcher.log").read_text(errors="replace")
     assert "spare 1 takes worker 2's place" in said, said[-3000:]
     assert "starting a replacement for worker 2" in said
+
+
+@pytest.mark.slow
+def test_a_replacement_joins_the_sharded_checkpoints_of_the_survivors(env, tmp_path, reference):
+    """``--sharded_checkpoints``, saves every 40 steps: the survivors save without the killed
+    worker, its replacement joins their save group, and the last checkpoint, written by all
+    four again, restores exactly in a lone process. The kill comes 2 steps after a save, far
+    from the next: a loss inside a save waits in Orbax's barriers (a relaunch)."""
+    flags = ("--sharded_checkpoints", "--checkpoint_steps=40")
+    workdir = _scenario(env, tmp_path, reference, [(2, 42, signal.SIGKILL)], worker_flags=flags)
+    state = workdir / "checkpoints" / str(STEPS) / "state"
+    assert not (state / "replica.npz").exists()
+    writers = sorted(int(p.name.rsplit("_", 1)[1]) for p in state.glob("ocdbt.process_*"))
+    assert writers == [0, 1, 2, 3], writers  # 4 groups of 2 devices: Orbax splits over all
+    (rejoined,) = lj.events(workdir, "rejoin")
+    saved = [e["step"] for e in lj.events(workdir, "checkpoint")]
+    assert any(s > rejoined["step"] for s in saved), (saved, rejoined["step"])
+    alone = subprocess.run(
+        lj.regression_command(workdir, f"--steps={STEPS}"),
+        cwd=lj.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert lj.events(workdir, "resume")[-1]["step"] == STEPS
+    lj.assert_params(workdir, reference, [0])
