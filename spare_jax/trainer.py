@@ -179,8 +179,10 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         self.global_abstract = step.abstract_state(params)
 
         def per_group(a: jax.ShapeDtypeStruct) -> int:  # the devices of a group holding a shard
-            shards = {str(i) for i in a.sharding.devices_indices_map(a.shape).values()}
-            return max(len(a.sharding.device_set) // (len(shards) * step.groups), 1)
+            distinct = max(math.prod(a.shape), 1) // max(
+                math.prod(a.sharding.shard_shape(a.shape)), 1
+            )
+            return max(len(a.sharding.device_set) // (distinct * step.groups), 1)
 
         self.ckpt = ckpt_lib.Checkpointer(
             os.path.join(workdir, "checkpoints"),
