@@ -35,7 +35,6 @@ process 0 commits directories that hold no data.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -55,7 +54,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from spare_jax import analysis, checks, digest, errors, multihost, runlog, strategies
+from spare_jax import analysis, checks, digest, errors, layouts, multihost, runlog, strategies
+from spare_jax.layouts import ReplicaHandler, ReplicaRestore, ReplicaSave, replica_split
 from spare_jax.scenario import Scenario
 
 __all__ = [
@@ -81,7 +81,6 @@ log = logging.getLogger(__name__)
 UNMODELLED_MTBI_S = 54 * 24 * 3600 / 47
 RUN_FRACTION = 0.1  # at most a tenth of the run's work between saves
 STALL_SHARE = 0.05  # the ceiling never makes save stalls more than 5% of the time
-SPLIT_SHARE = 0.9  # sharded saves: split the writing so that this share of the bytes splits
 
 
 class NoUsableCheckpoint(errors.FitError):
@@ -97,7 +96,7 @@ StorageError = errors.StorageError  # a checkpoint could not be written
 # either layout (Orbax's sharded arrays, or one process's replica).
 _REQUIRED = ("_CHECKPOINT_METADATA", "meta/metadata")
 _STATE_LAYOUTS = (("state/_METADATA", "state/manifest.ocdbt"), ("state/replica.npz",))
-_REPLICA = "replica.npz"
+_REPLICA = layouts.REPLICA_FILE
 
 
 def _file_problem(path: str, name: str) -> str | None:
@@ -176,74 +175,6 @@ class Saved:
     write_s: float
 
 
-class ReplicaHandler(ocp.AsyncCheckpointHandler):
-    """Orbax item handler for one process's full replica of the state, as host arrays.
-
-    In a multi-process job one process (the lowest live one) writes the
-    state, and it may be any process: Orbax's own serializers write host
-    arrays from process 0 only and refuse host-local device arrays. This
-    handler writes the replica as one ``replica.npz`` (each leaf's raw bytes,
-    with its dtype and shape in an index) in the background, and reads it
-    back into the target's structure, checking every shape and dtype.
-    """
-
-    async def async_save(self, directory: Any, args: ReplicaSave) -> list[Any]:
-        leaves = [np.asarray(x) for x in jax.tree.leaves(args.state)]
-        target = os.path.join(os.fspath(directory), _REPLICA)
-        return [ocp.future.CommitFutureAwaitingContractedSignals(_write_replica(target, leaves))]
-
-    def save(self, directory: Any, args: ReplicaSave) -> None:
-        for f in asyncio.run(self.async_save(directory, args)):
-            f.result()
-
-    def restore(self, directory: Any, args: ReplicaRestore) -> Any:
-        leaves, treedef = jax.tree.flatten(args.target)
-        with np.load(os.path.join(os.fspath(directory), _REPLICA), allow_pickle=False) as z:
-            index = json.loads(bytes(z["index"]).decode())
-            if len(index) != len(leaves):
-                raise ValueError(f"the replica holds {len(index)} arrays, the state {len(leaves)}")
-            out = []
-            for i, (leaf, (dtype, shape)) in enumerate(zip(leaves, index, strict=True)):
-                if tuple(shape) != tuple(leaf.shape) or np.dtype(dtype) != np.dtype(leaf.dtype):
-                    raise ValueError(
-                        f"array {i} is {dtype}{tuple(shape)}, the state wants "
-                        f"{np.dtype(leaf.dtype)}{tuple(leaf.shape)}"
-                    )
-                out.append(z[f"a{i}"].view(np.dtype(dtype)).reshape(shape))
-        return jax.tree.unflatten(treedef, out)
-
-
-async def _write_replica(path: str, leaves: list[np.ndarray]) -> None:
-    await asyncio.to_thread(_write_replica_now, path, leaves)
-
-
-def _write_replica_now(path: str, leaves: list[np.ndarray]) -> None:
-    index = json.dumps([[str(x.dtype), list(x.shape)] for x in leaves]).encode()
-    arrays = {
-        f"a{i}": np.ascontiguousarray(x).reshape(-1).view(np.uint8) for i, x in enumerate(leaves)
-    }
-    with open(path, "wb") as f:
-        np.savez(f, index=np.frombuffer(index, np.uint8), **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-@ocp.args.register_with_handler(ReplicaHandler, for_save=True)
-@dataclasses.dataclass
-class ReplicaSave(ocp.args.CheckpointArgs):
-    """Save ``state``, a pytree of host arrays (this process's replica)."""
-
-    state: Any
-
-
-@ocp.args.register_with_handler(ReplicaHandler, for_restore=True)
-@dataclasses.dataclass
-class ReplicaRestore(ocp.args.CheckpointArgs):
-    """Restore into the structure, shapes and dtypes of ``target`` (host arrays)."""
-
-    target: Any
-
-
 @jax.jit
 def _leaf_sums(params: Any) -> jax.Array:
     return jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(params)])
@@ -270,37 +201,6 @@ def host_replica(state: Any) -> tuple[Any, dict[str, Any]]:
         "param_checksum": param_checksum(state.params),
     }
     return jax.tree.map(multihost.host_copy, state), checks
-
-
-def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int) -> int:
-    """The most replicas a sharded save splits each array's writing over: most bytes split.
-
-    Orbax's replica-parallel save cuts each array's shard along an axis that
-    the number of its replicas divides; an array with no such axis is written
-    by one replica alone. With 1,000 groups and dimensions that are powers of
-    two, nothing would split. Orbax can be told to split over at most ``c``
-    replicas: this is the largest ``c`` under which the arrays holding at
-    least `SPLIT_SHARE` of the bytes split (``min(replicas, c)`` divides an
-    axis of the shard, or the array has one replica: its holder writes it).
-
-    ``shards``: each array's shard shape, bytes and replicas inside one group
-    (its replicas are those times ``groups``, the live groups).
-    """
-    if not shards:
-        return 1
-    nbytes = np.array([n for _, n, _ in shards], np.float64)
-    replicas = np.array([groups * m for _, _, m in shards], np.int64)
-    top = int(replicas.max())
-    if top <= 1 or nbytes.sum() == 0:
-        return 1
-    counts = np.arange(2, top + 1)
-    k = np.minimum(replicas[:, None], counts[None, :])  # [array, count]: replicas it splits over
-    splits = k == 1
-    for axis in range(max(len(shape) for shape, _, _ in shards)):
-        dims = np.array([shape[axis] if axis < len(shape) else -1 for shape, _, _ in shards])
-        splits |= (dims[:, None] % k == 0) & (dims[:, None] > 0)
-    good = nbytes @ splits >= SPLIT_SHARE * nbytes.sum()
-    return int(counts[good].max()) if good.any() else 1
 
 
 def _check_digest(state: Any, saved: list[int]) -> None:
@@ -545,7 +445,7 @@ class Checkpointer:
         self.group = (int(group[0]), frozenset(group[1])) if group is not None else None
         self._scope = "spare-m0"
         # Sharded saves: each array's shard shape, bytes and replicas in a group; the live
-        # groups (`replica_split`).
+        # groups (`layouts.replica_split`).
         self._shards, self._replicas = list(shards), int(replicas)
         self.policy = policy
         self.keep = checks.integer("keep", keep, low=1)
@@ -609,29 +509,13 @@ class Checkpointer:
         elif self.group is None:
             state = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
         else:
-            state = self._shared_handler(multiprocessing)
+            cap = layouts.replica_split(self._shards, self._replicas)
+            state = layouts.sharded_handler(multiprocessing, self.group[0], cap)
         handlers = {
             "state": state,
             "meta": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
         }
         return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
-
-    def _shared_handler(self, multiprocessing: Any) -> ocp.PyTreeCheckpointHandler:
-        """Every live process writes its part, split `replica_split` ways; the primary commits."""
-        arrays = ocp.type_handlers.ArrayHandler(
-            primary_host=self.group[0],
-            max_replicas_for_replica_parallel=replica_split(self._shards, self._replicas),
-        )
-        registry = ocp.type_handlers.create_type_handler_registry(
-            (jax.Array, arrays),
-            (np.ndarray, ocp.type_handlers.NumpyHandler()),
-            (np.number, ocp.type_handlers.ScalarHandler()),
-            (int, ocp.type_handlers.ScalarHandler()),
-            (float, ocp.type_handlers.ScalarHandler()),
-        )
-        return ocp.PyTreeCheckpointHandler(
-            multiprocessing_options=multiprocessing, type_handler_registry=registry
-        )
 
     def moves_files(self, writer: bool | None = None) -> bool:
         """Whether this process cleans up and sets damaged checkpoints aside (one process does)."""

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spare_jax
-from spare_jax import analysis, checkpoint
+from spare_jax import analysis, checkpoint, layouts
 
 
 def _state():
@@ -401,17 +401,17 @@ def test_a_record_without_a_digest_restores_on_the_parameter_checksum_alone(tmp_
 
 def test_replica_split_takes_the_most_replicas_that_split_most_of_the_bytes():
     # 1,000 groups and dimensions that are powers of two: 1,000 divides none, 512 does.
-    assert checkpoint.replica_split([((512, 4096), 100, 1), ((4096,), 1, 8)], 1000) == 512
-    assert checkpoint.replica_split([((60, 1024), 1, 1)], 3) == 3  # 3 divides 60
-    assert checkpoint.replica_split([((8, 16), 1, 1)], 3) == 2
-    assert checkpoint.replica_split([((7,), 1, 1)], 4) == 1  # nothing splits: one replica writes
-    assert checkpoint.replica_split([((8, 16), 1, 1)], 1) == 1  # one group: no replica to split
+    assert layouts.replica_split([((512, 4096), 100, 1), ((4096,), 1, 8)], 1000) == 512
+    assert layouts.replica_split([((60, 1024), 1, 1)], 3) == 3  # 3 divides 60
+    assert layouts.replica_split([((8, 16), 1, 1)], 3) == 2
+    assert layouts.replica_split([((7,), 1, 1)], 4) == 1  # nothing splits: one replica writes
+    assert layouts.replica_split([((8, 16), 1, 1)], 1) == 1  # one group: no replica to split
     # Replicated inside each group of 2 as well: 4 groups hold 8 replicas, and 8 divides 8.
-    assert checkpoint.replica_split([((8, 16), 1, 2)], 4) == 8
+    assert layouts.replica_split([((8, 16), 1, 2)], 4) == 8
     # A small array that splits no way does not hold the big one back (under 10% of bytes).
-    assert checkpoint.replica_split([((96, 8), 95, 1), ((5,), 5, 1)], 6) == 6
+    assert layouts.replica_split([((96, 8), 95, 1), ((5,), 5, 1)], 6) == 6
     # Neither 6 nor 5 splits 90% of these bytes; 2 splits all of them.
-    assert checkpoint.replica_split([((96, 8), 85, 1), ((10,), 15, 1)], 6) == 2
+    assert layouts.replica_split([((96, 8), 85, 1), ((10,), 15, 1)], 6) == 2
 
 
 @settings(max_examples=300, deadline=None)
@@ -429,7 +429,7 @@ def test_replica_split_takes_the_most_replicas_that_split_most_of_the_bytes():
 )
 def test_replica_split_is_the_largest_count_that_splits_the_share(shards, groups):
     """Against the rule tried at every count: no larger count splits the share; this one does."""
-    c = checkpoint.replica_split(shards, groups)
+    c = layouts.replica_split(shards, groups)
     total = sum(n for _, n, _ in shards)
     top = max(groups * m for _, _, m in shards)
 
@@ -442,5 +442,5 @@ def test_replica_split_is_the_largest_count_that_splits_the_share(shards, groups
 
     assert 1 <= c <= max(top, 1)
     if c > 1:
-        assert split(c) >= checkpoint.SPLIT_SHARE * total
-    assert all(split(k) < checkpoint.SPLIT_SHARE * total for k in range(c + 1, top + 1))
+        assert split(c) >= layouts.SPLIT_SHARE * total
+    assert all(split(k) < layouts.SPLIT_SHARE * total for k in range(c + 1, top + 1))

@@ -478,10 +478,15 @@ def test_a_stall_past_the_collective_timeout_is_ridden_out_on_rebuilt_collective
     lj.no_process_left(tmp_path)
 
 
-@pytest.mark.parametrize("to", ["launcher", "workers"])
-def test_a_preemption_notice_saves_the_step_reached_and_a_rerun_resumes(env, tmp_path, to):
+@pytest.mark.parametrize(
+    "to, flags",
+    [("launcher", ()), ("workers", ()), ("launcher", ("--sharded_checkpoints",))],
+    ids=["launcher", "workers", "sharded"],
+)
+def test_a_preemption_notice_saves_the_step_reached_and_a_rerun_resumes(env, tmp_path, to, flags):
+    """``sharded``: every process writes its part of the preemption's save, at the same step."""
     steps = 400
-    worker = lj.regression_command(tmp_path, f"--steps={steps}", "--checkpoint_steps=1000")
+    worker = lj.regression_command(tmp_path, f"--steps={steps}", "--checkpoint_steps=1000", *flags)
     job = lj.Job(lj.launcher(tmp_path, worker), tmp_path, env)
     try:
         job.wait_for(job.step_reached(20), what="step 20")
@@ -502,6 +507,8 @@ def test_a_preemption_notice_saves_the_step_reached_and_a_rerun_resumes(env, tmp
     last = max(r["step"] for r in lj.records(tmp_path) if "loss" in r)
     assert last == reached - 1, "the state of the step reached is saved: nothing is lost"
     assert checkpoint.missing_files(str(tmp_path / "checkpoints" / str(reached))) is None
+    if flags:
+        assert _writers(tmp_path / "checkpoints" / str(reached) / "state") == [0, 1, 2, 3]
     lj.no_process_left(tmp_path)
     again = lj.Job(lj.launcher(tmp_path, worker), tmp_path, env)
     assert again.finish() == 0, again.output()[-3000:]

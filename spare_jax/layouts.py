@@ -1,0 +1,157 @@
+"""How a checkpoint's state lies on disk: one process's replica, or sharded arrays.
+
+* `ReplicaHandler`: an Orbax item handler for one process's full replica
+  of the state, as host arrays in one ``replica.npz``. The writer of a
+  multi-process job whose groups lie whole on processes saves this way by
+  default (`spare_jax.checkpoint`).
+* `sharded_handler`: Orbax's own sharded arrays, written by every live
+  process from its devices (sharded checkpoints; groups spanning processes),
+  with the writing of each replicated array split over `replica_split`
+  replicas, so that no process copies a whole replica to its host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+__all__ = [
+    "REPLICA_FILE",
+    "SPLIT_SHARE",
+    "ReplicaHandler",
+    "ReplicaRestore",
+    "ReplicaSave",
+    "replica_split",
+    "sharded_handler",
+]
+
+REPLICA_FILE = "replica.npz"
+SPLIT_SHARE = 0.9  # sharded saves: split the writing so that this share of the bytes splits
+
+
+class ReplicaHandler(ocp.AsyncCheckpointHandler):
+    """Orbax item handler for one process's full replica of the state, as host arrays.
+
+    In a multi-process job one process (the lowest live one) writes the
+    state, and it may be any process: Orbax's own serializers write host
+    arrays from process 0 only and refuse host-local device arrays. This
+    handler writes the replica as one ``replica.npz`` (each leaf's raw bytes,
+    with its dtype and shape in an index) in the background, and reads it
+    back into the target's structure, checking every shape and dtype.
+    """
+
+    async def async_save(self, directory: Any, args: ReplicaSave) -> list[Any]:
+        leaves = [np.asarray(x) for x in jax.tree.leaves(args.state)]
+        target = os.path.join(os.fspath(directory), REPLICA_FILE)
+        return [ocp.future.CommitFutureAwaitingContractedSignals(_write_replica(target, leaves))]
+
+    def save(self, directory: Any, args: ReplicaSave) -> None:
+        for f in asyncio.run(self.async_save(directory, args)):
+            f.result()
+
+    def restore(self, directory: Any, args: ReplicaRestore) -> Any:
+        leaves, treedef = jax.tree.flatten(args.target)
+        with np.load(os.path.join(os.fspath(directory), REPLICA_FILE), allow_pickle=False) as z:
+            index = json.loads(bytes(z["index"]).decode())
+            if len(index) != len(leaves):
+                raise ValueError(f"the replica holds {len(index)} arrays, the state {len(leaves)}")
+            out = []
+            for i, (leaf, (dtype, shape)) in enumerate(zip(leaves, index, strict=True)):
+                if tuple(shape) != tuple(leaf.shape) or np.dtype(dtype) != np.dtype(leaf.dtype):
+                    raise ValueError(
+                        f"array {i} is {dtype}{tuple(shape)}, the state wants "
+                        f"{np.dtype(leaf.dtype)}{tuple(leaf.shape)}"
+                    )
+                out.append(z[f"a{i}"].view(np.dtype(dtype)).reshape(shape))
+        return jax.tree.unflatten(treedef, out)
+
+
+async def _write_replica(path: str, leaves: list[np.ndarray]) -> None:
+    await asyncio.to_thread(_write_replica_now, path, leaves)
+
+
+def _write_replica_now(path: str, leaves: list[np.ndarray]) -> None:
+    index = json.dumps([[str(x.dtype), list(x.shape)] for x in leaves]).encode()
+    arrays = {
+        f"a{i}": np.ascontiguousarray(x).reshape(-1).view(np.uint8) for i, x in enumerate(leaves)
+    }
+    with open(path, "wb") as f:
+        np.savez(f, index=np.frombuffer(index, np.uint8), **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@ocp.args.register_with_handler(ReplicaHandler, for_save=True)
+@dataclasses.dataclass
+class ReplicaSave(ocp.args.CheckpointArgs):
+    """Save ``state``, a pytree of host arrays (this process's replica)."""
+
+    state: Any
+
+
+@ocp.args.register_with_handler(ReplicaHandler, for_restore=True)
+@dataclasses.dataclass
+class ReplicaRestore(ocp.args.CheckpointArgs):
+    """Restore into the structure, shapes and dtypes of ``target`` (host arrays)."""
+
+    target: Any
+
+
+def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int) -> int:
+    """The most replicas a sharded save splits each array's writing over: most bytes split.
+
+    Orbax's replica-parallel save cuts each array's shard along an axis that
+    the number of its replicas divides; an array with no such axis is written
+    by one replica alone. With 1,000 groups and dimensions that are powers of
+    two, nothing would split. Orbax can be told to split over at most ``c``
+    replicas: this is the largest ``c`` under which the arrays holding at
+    least `SPLIT_SHARE` of the bytes split (``min(replicas, c)`` divides an
+    axis of the shard, or the array has one replica: its holder writes it).
+
+    ``shards``: each array's shard shape, bytes and replicas inside one group
+    (its replicas are those times ``groups``, the live groups).
+    """
+    if not shards:
+        return 1
+    nbytes = np.array([n for _, n, _ in shards], np.float64)
+    replicas = np.array([groups * m for _, _, m in shards], np.int64)
+    top = int(replicas.max())
+    if top <= 1 or nbytes.sum() == 0:
+        return 1
+    counts = np.arange(2, top + 1)
+    k = np.minimum(replicas[:, None], counts[None, :])  # [array, count]: replicas it splits over
+    splits = k == 1
+    for axis in range(max(len(shape) for shape, _, _ in shards)):
+        dims = np.array([shape[axis] if axis < len(shape) else -1 for shape, _, _ in shards])
+        splits |= (dims[:, None] % k == 0) & (dims[:, None] > 0)
+    good = nbytes @ splits >= SPLIT_SHARE * nbytes.sum()
+    return int(counts[good].max()) if good.any() else 1
+
+
+def sharded_handler(multiprocessing: Any, primary: int, cap: int) -> ocp.PyTreeCheckpointHandler:
+    """Orbax's sharded arrays, every live process writing its part, split over ``cap`` replicas.
+
+    ``primary``: the live process that writes the metadata and commits (Orbax's
+    default array handler names process 0, even after it died).
+    """
+    arrays = ocp.type_handlers.ArrayHandler(
+        primary_host=primary, max_replicas_for_replica_parallel=cap
+    )
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, arrays),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (np.number, ocp.type_handlers.ScalarHandler()),
+        (int, ocp.type_handlers.ScalarHandler()),
+        (float, ocp.type_handlers.ScalarHandler()),
+    )
+    return ocp.PyTreeCheckpointHandler(
+        multiprocessing_options=multiprocessing, type_handler_registry=registry
+    )
