@@ -123,6 +123,23 @@ def assert_params(workdir: pathlib.Path, reference: dict, processes) -> None:
                 )
 
 
+def assert_resumes_alone(workdir: pathlib.Path, env: dict, reference: dict, steps: int) -> None:
+    """A lone process resumes from the job's newest checkpoint, step ``steps``, with nothing
+    left to do, and its parameters are exact: the checkpoint restores outside the job."""
+    alone = subprocess.run(
+        regression_command(workdir, f"--steps={steps}"),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert events(workdir, "resume")[-1]["step"] == steps
+    assert_params(workdir, reference, [0])
+
+
 def records(workdir: pathlib.Path) -> list[dict]:
     return read_records(str(workdir / "metrics.jsonl"))
 

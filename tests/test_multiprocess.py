@@ -110,19 +110,7 @@ def test_the_writer_killed_during_a_save_leaves_only_whole_checkpoints(env, tmp_
     if not aborted:
         assert len(saved) == len(set(saved))
     lj.assert_params(tmp_path, reference, range(4) if aborted else [1, 2, 3])
-    # The newest checkpoint restores: a lone process resumes from it and has nothing left to do.
-    alone = subprocess.run(
-        lj.regression_command(tmp_path, f"--steps={STEPS}", "--checkpoint_steps=2"),
-        cwd=lj.ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert lj.events(tmp_path, "resume")[-1]["step"] == STEPS
-    lj.assert_params(tmp_path, reference, [0])
+    lj.assert_resumes_alone(tmp_path, env, reference, STEPS)  # the newest checkpoint restores
     lj.no_process_left(tmp_path)
 
 
@@ -239,19 +227,7 @@ def test_sharded_checkpoints_are_written_by_every_live_process_and_restore_exact
         if masked and step > 10:  # saved after the loss: by the survivors alone
             assert _writers(state) and victim not in _writers(state), (step, _writers(state))
     assert not (ckpts / "corrupt").exists()
-    # A lone process reads the job's sharded checkpoint: nothing left to do, every leaf exact.
-    alone = subprocess.run(
-        lj.regression_command(tmp_path, f"--steps={STEPS}", "--checkpoint_steps=5"),
-        cwd=lj.ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert lj.events(tmp_path, "resume")[-1]["step"] == STEPS
-    lj.assert_params(tmp_path, reference, [0])
+    lj.assert_resumes_alone(tmp_path, env, reference, STEPS)  # a lone process reads it
     # A job of 4 resumes from it (the writer reads it once and sends it over the devices).
     again = _start(
         env, tmp_path, "--sharded_checkpoints", "--checkpoint_steps=10", steps=STEPS + 10

@@ -18,7 +18,6 @@ from __future__ import annotations
 import pathlib
 import re
 import signal
-import subprocess
 
 import launching as lj
 import pytest
@@ -187,15 +186,4 @@ def test_a_replacement_joins_the_sharded_checkpoints_of_the_survivors(env, tmp_p
     (rejoined,) = lj.events(workdir, "rejoin")
     saved = [e["step"] for e in lj.events(workdir, "checkpoint")]
     assert any(s > rejoined["step"] for s in saved), (saved, rejoined["step"])
-    alone = subprocess.run(
-        lj.regression_command(workdir, f"--steps={STEPS}"),
-        cwd=lj.ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert lj.events(workdir, "resume")[-1]["step"] == STEPS
-    lj.assert_params(workdir, reference, [0])
+    lj.assert_resumes_alone(workdir, env, reference, STEPS)
