@@ -1,4 +1,4 @@
-"""Helpers the multi-process benchmarks share: finding a job's worker from outside."""
+"""Helpers the multi-process benchmarks share: finding a job's worker, reading its peak memory."""
 
 from __future__ import annotations
 
@@ -30,3 +30,12 @@ def worker_pid(workdir: str, process: int) -> int:
         if mine and f"SPARE_JAX_PROCESS_ID={process}".encode() in environ:
             return int(entry.name)
     raise RuntimeError(f"no worker {process} of {workdir} found")
+
+
+def peak_bytes(pid: str | int = "self") -> int:
+    """A process's peak resident memory so far (``VmHWM``), bytes; 0 when it reports none."""
+    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0

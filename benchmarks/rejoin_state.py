@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
-from jobs import worker_pid  # benchmarks/jobs.py: this script's directory is on sys.path
+from jobs import peak_bytes, worker_pid  # benchmarks/jobs.py, beside this script
 
 import spare_jax
 from spare_jax import cli
@@ -100,20 +100,12 @@ def _batches(t: int) -> dict[str, np.ndarray]:
     return {"c": np.full((_PROCESSES.value * 2, 1), 1.0 + 0.01 * t, np.float32)}
 
 
-def _peak_bytes(pid: str = "self") -> int:
-    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _peaks(workdir: str) -> dict[int, int]:
     """Every running worker's peak resident bytes so far."""
     peaks = {}
     for p in range(_PROCESSES.value):
         try:
-            peaks[p] = _peak_bytes(str(worker_pid(workdir, p)))
+            peaks[p] = peak_bytes(str(worker_pid(workdir, p)))
         except (OSError, RuntimeError):  # it has exited
             pass
     return peaks
@@ -146,7 +138,7 @@ def _worker() -> None:
             checkpoint_steps=10**6,  # only the end of the run (or the stop) saves
         )
     finally:  # the driver stops the job (SIGTERM: a preemption) once the re-join is done
-        print(f"{PEAK}{_peak_bytes()}", flush=True)
+        print(f"{PEAK}{peak_bytes()}", flush=True)
 
 
 def _job(workdir: str, size_mb: int, case: str) -> dict:

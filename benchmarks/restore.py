@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
+from jobs import peak_bytes  # benchmarks/jobs.py: this script's directory is on sys.path
 
 import spare_jax
 from spare_jax import cli
@@ -94,10 +95,7 @@ def _io() -> dict[str, int]:
             name, value = line.split(":")
             if name == "rchar":
                 out[name] = int(value)
-    with open("/proc/self/status", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                out["hwm"] = int(line.split()[1]) * 1024
+    out["hwm"] = peak_bytes()
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "ReplicaRestore",
     "ReplicaSave",
     "replica_split",
+    "shard_table",
     "sharded_handler",
 ]
 
@@ -134,6 +136,19 @@ def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: in
         splits |= (dims[:, None] % k == 0) & (dims[:, None] > 0)
     good = nbytes @ splits >= SPLIT_SHARE * nbytes.sum()
     return int(counts[good].max()) if good.any() else 1
+
+
+def shard_table(abstract_state: Any, groups: int) -> list[tuple[tuple[int, ...], int, int]]:
+    """What `replica_split` takes, per leaf of a state over ``groups`` groups: its shard's
+    shape, its bytes, and how many devices of a group hold each shard."""
+
+    def row(a: jax.ShapeDtypeStruct) -> tuple[tuple[int, ...], int, int]:
+        shard = a.sharding.shard_shape(a.shape)
+        distinct = max(math.prod(a.shape), 1) // max(math.prod(shard), 1)
+        per_group = max(len(a.sharding.device_set) // (distinct * groups), 1)
+        return tuple(shard), a.size * a.dtype.itemsize, per_group
+
+    return [row(a) for a in jax.tree.leaves(abstract_state)]
 
 
 def sharded_handler(multiprocessing: Any, primary: int, cap: int) -> ocp.PyTreeCheckpointHandler:

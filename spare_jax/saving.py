@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
-from spare_jax import broadcast, errors, jax_internals, multihost, reorder, runlog
+from spare_jax import broadcast, errors, jax_internals, layouts, multihost, reorder, runlog
 from spare_jax import checkpoint as ckpt_lib
 
 __all__ = ["Saving"]
@@ -29,6 +29,34 @@ _RESTORE_WAIT_S = 1800.0  # the others wait while the writer reads, checks and s
 
 class Saving:
     """Saves, restores, rollback, preemption: mixed into `Trainer`."""
+
+    def _checkpointer(self, workdir: str, keep: int, writer: bool) -> ckpt_lib.Checkpointer:
+        """The run's checkpoints: one writer's replica, or every live process's part."""
+        shared = self.shared_saves and not self.replacement
+        return ckpt_lib.Checkpointer(
+            os.path.join(workdir, "checkpoints"),
+            self.interval,
+            keep=keep,
+            writer=writer or shared,
+            # A replacement opens no checkpoints until it is in the save group (`_regrow`).
+            process_local=self.multi and not shared,
+            group=(self.writer_process, self.members) if shared else None,
+            # Shared saves: a save in flight has barriers with every live process; one
+            # lost in it would hold the survivors for Orbax's barrier timeout. Saves
+            # finish between steps instead.
+            use_async=not self.shared_saves,
+            shards=layouts.shard_table(self.global_abstract, self.step.groups),
+            replicas=self.step.groups,
+        )
+
+    def _regroup_saves(self) -> None:
+        """The live processes changed: every one of them saves with the others from now on."""
+        self.ckpt.regroup(
+            self.writer_process,
+            self.members,
+            f"{self.attempt}-{self.t}",
+            replicas=len(self.live_groups),
+        )
 
     def _restore(self) -> ckpt_lib.Restored | None:
         """The latest good checkpoint, placed; read from disk once per job where it can be.

@@ -32,7 +32,6 @@ parameters at the end equal those of a run that never failed.
 from __future__ import annotations
 
 import math
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -175,33 +174,8 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         self.writer_process = int(self.owners.min()) if self.multi else 0
         writer = self._is_writer() and not self.replacement
         self.log = runlog.RunLog(workdir, writer=writer)
-        shared = self.shared_saves and not self.replacement
         self.global_abstract = step.abstract_state(params)
-
-        def per_group(a: jax.ShapeDtypeStruct) -> int:  # the devices of a group holding a shard
-            distinct = max(math.prod(a.shape), 1) // max(
-                math.prod(a.sharding.shard_shape(a.shape)), 1
-            )
-            return max(len(a.sharding.device_set) // (distinct * step.groups), 1)
-
-        self.ckpt = ckpt_lib.Checkpointer(
-            os.path.join(workdir, "checkpoints"),
-            self.interval,
-            keep=keep,
-            writer=writer or shared,
-            # A replacement opens no checkpoints until it is in the save group (`_regrow`).
-            process_local=self.multi and not shared,
-            group=(self.writer_process, self.members) if shared else None,
-            # Shared saves: a save in flight has barriers with every live process; one
-            # lost in it would hold the survivors for Orbax's barrier timeout. Saves
-            # finish between steps instead.
-            use_async=not self.shared_saves,
-            shards=[
-                (a.sharding.shard_shape(a.shape), a.size * a.dtype.itemsize, per_group(a))
-                for a in jax.tree.leaves(self.global_abstract)
-            ],
-            replicas=step.groups,
-        )
+        self.ckpt = self._checkpointer(workdir, keep, writer)
         self.attempt = self.log.next_attempt
         self.step_times: list[float] = []
         self.rollbacks = 0
@@ -499,15 +473,6 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         }
         self.log.write_summary(summary)
         return summary
-
-    def _regroup_saves(self) -> None:
-        """The live processes changed: every one of them saves with the others from now on."""
-        self.ckpt.regroup(
-            self.writer_process,
-            self.members,
-            f"{self.attempt}-{self.t}",
-            replicas=len(self.live_groups),
-        )
 
     def params(self) -> Any:
         """The current parameters as host NumPy arrays (this process's full replica).
