@@ -291,6 +291,11 @@ def fit(
             "balance=True is off in a one-process job: one program runs all of its groups, "
             "so their speeds cannot be timed apart (it needs a job of several processes)"
         )
+    if sharded_checkpoints and jax.process_count() == 1:
+        runlog.notice(
+            "sharded_checkpoints=True changes nothing in a one-process job: its one process "
+            "writes every checkpoint already (it is for jobs of several processes)"
+        )
     first_rows = _check_first_batch(step, batches)  # every argument checked: now the files
     workdir = _workdir(workdir)
     with _compile_cache(cache, workdir):  # before the trainer compiles anything

@@ -204,3 +204,18 @@ def test_balance_in_one_process_says_it_is_off_and_trains_exactly(tmp_path, caps
     assert "balance=True is off in a one-process job" in err, err[-2000:]
     assert not lj.events(tmp_path, "straggler")
     _same(result.params, lj.reference_params(steps))
+
+
+def test_sharded_checkpoints_in_one_process_say_so_and_train_exactly(tmp_path, capsys):
+    steps = 3
+    result = spare_jax.fit(
+        _step(),
+        regression.init_params(),
+        regression.batches,
+        steps=steps,
+        workdir=str(tmp_path),
+        sharded_checkpoints=True,
+    )
+    err = capsys.readouterr().err
+    assert "sharded_checkpoints=True changes nothing in a one-process job" in err, err[-2000:]
+    _same(result.params, lj.reference_params(steps))
