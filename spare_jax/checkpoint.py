@@ -36,6 +36,7 @@ process 0 commits directories that hold no data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -45,7 +46,7 @@ import statistics
 import time
 import zipfile
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -54,7 +55,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from spare_jax import analysis, checks, digest, errors, layouts, multihost, runlog, strategies
+from spare_jax import (
+    analysis,
+    checks,
+    digest,
+    errors,
+    jax_internals,
+    layouts,
+    multihost,
+    runlog,
+    strategies,
+)
 from spare_jax.layouts import ReplicaHandler, ReplicaRestore, ReplicaSave, replica_split
 from spare_jax.scenario import Scenario
 
@@ -423,6 +434,20 @@ class Restored:
     restore_s: float
 
 
+def _bounded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a `Checkpointer` method that may wait at Orbax's barriers with the others with
+    those barriers timing out after `Checkpointer.wait_s` (sharded checkpoints)."""
+
+    @functools.wraps(method)
+    def run(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
+        if self.group is None:
+            return method(self, *args, **kwargs)
+        with jax_internals.orbax_barrier_timeout(math.ceil(self.wait_s)):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Checkpointer:
     """Async Orbax checkpoints of the train state and its JSON record under ``directory``."""
 
@@ -454,6 +479,7 @@ class Checkpointer:
         self._pending: tuple[int, float, float] | None = None  # step, start, stall
         self._unreported: list[Saved] = []
         self.last_save_s: float | None = None
+        self.wait_s = layouts.SAVE_WAIT_BASE_S  # sharded saves: their barriers' timeout
         self._manager = self._open(writer)
 
     def _open(self, writer: bool) -> ocp.CheckpointManager | None:
@@ -487,6 +513,11 @@ class Checkpointer:
         if not writer and self.process_local:
             return None
         local_dirs = self.process_local or self.group is not None
+        # A process lost in a sharded save holds the others at its barriers for this long.
+        if self.group is not None:
+            self.wait_s = layouts.save_wait_s(self._shards, self._replicas)
+            runlog.emit("save_barriers", wait_s=round(self.wait_s, 3))  # the launcher allows it
+        waits = {"timeout_secs": math.ceil(self.wait_s)} if self.group is not None else {}
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=self.policy,
             preservation_policy=KeepIntact(self.directory, self.keep),
@@ -499,7 +530,7 @@ class Checkpointer:
             # key-value store, numbered per process: a new writer would find the
             # keys of the dead one and wait on signals nobody sends.
             async_options=ocp.options.AsyncOptions(
-                create_directories_asynchronously=not local_dirs
+                create_directories_asynchronously=not local_dirs, **waits
             ),
         )
         if local_dirs and writer:
@@ -522,6 +553,7 @@ class Checkpointer:
         writer = self.writer if writer is None else writer
         return writer and (self.group is None or self.group[0] == jax.process_index())
 
+    @_bounded
     def regroup(self, primary: int, active: set[int], when: str, replicas: int = 1) -> None:
         """The live processes changed: save with these from now on, in a new barrier scope.
 
@@ -545,6 +577,7 @@ class Checkpointer:
         """Steps on disk, oldest first (a process that does not write sees none)."""
         return [] if self._manager is None else list(self._manager.all_steps())
 
+    @_bounded
     def save(
         self,
         step: int,
@@ -606,6 +639,7 @@ class Checkpointer:
         """Whether Orbax's policy would save ``step`` (ask before building what to save)."""
         return self._manager is not None and self.writer and self._manager.should_save(step)
 
+    @_bounded
     def poll(self) -> list[Saved]:
         """The saves completed with all their files since last asked (each reported once).
 
@@ -617,6 +651,7 @@ class Checkpointer:
         done, self._unreported = self._unreported, []
         return done
 
+    @_bounded
     def wait(self) -> list[Saved]:
         """Block until the save in flight has completed; report as `poll` does."""
         self._settle()
@@ -724,6 +759,7 @@ class Checkpointer:
             handler.close()
         return state, meta, local
 
+    @_bounded
     def restore_latest(self, abstract_state: Any, *, place: bool = True) -> Restored | None:
         """The newest checkpoint that restores and checks out; None when there is none at all.
 
@@ -774,6 +810,7 @@ class Checkpointer:
             )
         return None
 
+    @_bounded
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()

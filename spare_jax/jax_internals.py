@@ -11,7 +11,11 @@ ones are used everywhere else: ``jax.distributed``, ``multihost_utils``):
 * for hot re-join: dropping the backend (``jax.extend.backend.clear_backends``,
   an unstable API), the cache of the last live set that
   ``multihost_utils.live_devices`` keeps, and the names XLA's CPU collectives
-  give their key-value entries (`GLOO_KEYS`, `TOPOLOGY_KEY`).
+  give their key-value entries (`GLOO_KEYS`, `TOPOLOGY_KEY`);
+* and one of Orbax's: the timeout of its barriers between processes (a
+  module constant, 300 s, that no option sets), which a sharded save scales
+  with its bytes so that a process lost in the save holds the others only
+  that long (`orbax_barrier_timeout`).
 
 Importing this module checks that every name and keyword used here exists,
 and raises `UnsupportedJax` (one line: the JAX version and what it lacks)
@@ -22,9 +26,10 @@ see; the re-join tests (``tests/test_rejoin.py``) hold them on each tested JAX.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -41,6 +46,7 @@ __all__ = [
     "connect_client",
     "forget_live_devices",
     "live_devices_cache",
+    "orbax_barrier_timeout",
     "start_service",
 ]
 
@@ -67,6 +73,7 @@ _NAMES: tuple[tuple[str, str], ...] = (
     ("jax._src.xla_bridge", "backends_are_initialized"),
     ("jax.extend.backend", "clear_backends"),
     ("jax.experimental.multihost_utils", "live_devices.devices"),
+    ("orbax.checkpoint._src.multihost.multihost", "_DEFAULT_BARRIER_TIMEOUT"),
 )
 
 # The keywords passed to jaxlib's factories (a renamed one would be a TypeError in a job).
@@ -87,14 +94,15 @@ class UnsupportedJax(ImportError):
 
 
 def _versions() -> str:
-    """'JAX x (jaxlib y)': what the error names, so a report says which release lacks what."""
-    try:
-        import jaxlib
-
-        lib = getattr(jaxlib, "__version__", "unknown")
-    except ImportError:
-        lib = "missing"
-    return f"JAX {jax.__version__} (jaxlib {lib})"
+    """'JAX x (jaxlib y, Orbax z)': what the error names, so a report says which release lacks
+    what."""
+    found = []
+    for name in ("jaxlib", "orbax.checkpoint"):
+        try:
+            found.append(getattr(importlib.import_module(name), "__version__", "unknown"))
+        except ImportError:
+            found.append("missing")
+    return f"JAX {jax.__version__} (jaxlib {found[0]}, Orbax {found[1]})"
 
 
 def _fail(missing: str) -> UnsupportedJax:
@@ -148,6 +156,7 @@ _jax = importlib.import_module("jaxlib._jax")
 _distributed = importlib.import_module("jax._src.distributed")
 _xla_bridge = importlib.import_module("jax._src.xla_bridge")
 _backend = importlib.import_module("jax.extend.backend")
+_orbax_multihost = importlib.import_module("orbax.checkpoint._src.multihost.multihost")
 
 
 def backends_started() -> bool:
@@ -220,3 +229,20 @@ def live_devices_cache() -> dict[Any, Any]:
 def forget_live_devices() -> None:
     """Make ``live_devices`` query the live set afresh (its cache holds a dropped backend's)."""
     multihost_utils.live_devices.devices = None
+
+
+@contextlib.contextmanager
+def orbax_barrier_timeout(seconds: int) -> Iterator[None]:
+    """Orbax's barriers between processes time out after ``seconds`` inside the block.
+
+    The coordination service does not fail a barrier whose participant died
+    (the job's tasks are recoverable), so a death during a save would hold
+    every survivor for Orbax's fixed 300 s; a timeout fails the barrier on
+    every survivor at once, and the save is dropped (`spare_jax.saving`).
+    """
+    was = _orbax_multihost._DEFAULT_BARRIER_TIMEOUT
+    _orbax_multihost._DEFAULT_BARRIER_TIMEOUT = max(int(seconds), 1)
+    try:
+        yield
+    finally:
+        _orbax_multihost._DEFAULT_BARRIER_TIMEOUT = was

@@ -262,6 +262,8 @@ class Job:
         self.progress = now
         if kind == "progress":
             self.progress_at = now
+        if kind == "save_barriers":
+            worker.save_wait_s = float(event.get("wait_s", 0.0))
         if kind == "at":  # where it is: the hung-worker watch
             step, phase = int(event.get("step", -1)), str(event.get("phase", ""))
             if not (worker.declared_dead or worker.evicted):
@@ -340,14 +342,12 @@ class Job:
                 return self._ended(done)
             now = time.time()
             self._evict(now)
-            # Workers gone on their own: finished, or dead and not yet declared so (then
-            # the count restarts once the job declares it dead and goes on).
-            left = [w for w in self.workers if w.code is not None and not w.lost]
+            left = [w for w in self.workers if w.left_alone]
             if not left:
                 first_exit = None
             elif first_exit is None:
                 first_exit = now
-            if first_exit is not None and now - first_exit > self.options.grace_s:
+            if first_exit is not None and now - first_exit > self.options.grace_s + self._saving():
                 for w in running:
                     say(
                         f"worker {w.index} still running {self.options.grace_s:.0f} s after "
@@ -438,7 +438,8 @@ class Job:
         Survivors see a loss within the heartbeat and the collective timeouts
         and then make progress again; a death while they rebuild their
         collectives can leave them waiting on it for good. Allowed: four
-        heartbeats, one collective timeout and three typical steps.
+        heartbeats, one collective timeout and three typical steps, and the
+        barrier wait of a sharded save the survivors are in (`_saving`).
         """
         died = [w for w in self.workers if w.code is not None and w.code < 0 and not w.lost]
         if not died or any(w.code == 0 for w in self.workers):
@@ -446,7 +447,14 @@ class Job:
         gaps = sorted(self.gaps[-20:])
         step_s = gaps[len(gaps) // 2] if gaps else 1.0
         allowed = 4 * self.options.heartbeat_s + self.options.collective_timeout_s + 3 * step_s
-        return now - self.progress > allowed
+        return now - self.progress > allowed + self._saving()
+
+    def _saving(self) -> float:
+        """How long survivors in a sharded save may still wait at its barriers for a lost peer
+        before they drop the save and go on (0 when none is saving)."""
+        at = self.watch.positions
+        saving = [w for w in self.workers if w.code is None and w.index in at]
+        return max((w.save_wait_s for w in saving if at[w.index].phase == "checkpoint"), default=0)
 
     def verdict(self) -> tuple[int, str]:
         """The first worker verdict: its status and its last line."""

@@ -96,6 +96,7 @@ class Worker:
     gone_at: float | None = None  # when the launcher saw it gone after it was declared dead
     evicted: str = ""  # why the launcher evicted it (it stopped while its peers waited)
     reached: int = -1  # the last step it said it entered (-1: none yet)
+    save_wait_s: float = 0.0  # how long its sharded saves' barriers wait for a lost peer
     told: bool = False  # its death line is out
     stopped: bool = False  # killed by the launcher ending the attempt
     tail: watch_lib.Tail = dataclasses.field(default_factory=watch_lib.Tail)
@@ -112,6 +113,13 @@ class Worker:
     def lost(self) -> bool:
         """Gone on purpose or declared dead: its exit status says nothing about the run."""
         return self.injected or self.declared_dead
+
+    @property
+    def left_alone(self) -> bool:
+        """Gone on its own: finished, or dead and not yet declared so. One that left because
+        its group died is not (the others may still be rebuilding without that group)."""
+        code = self.code
+        return code is not None and not self.lost and code != errors.EXIT_GROUP_LOST
 
     @property
     def failed(self) -> bool:

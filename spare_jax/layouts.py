@@ -31,12 +31,19 @@ __all__ = [
     "ReplicaRestore",
     "ReplicaSave",
     "replica_split",
+    "save_wait_s",
     "shard_table",
     "sharded_handler",
 ]
 
 REPLICA_FILE = "replica.npz"
 SPLIT_SHARE = 0.9  # sharded saves: split the writing so that this share of the bytes splits
+# A sharded save's barrier timeout (`save_wait_s`), our choices: the base is many times the
+# spread with which a healthy save's processes reach its barriers (the slow tests save every
+# few steps, 4 processes on 2 cores, and never time out); the rate is below every checkpoint
+# write rate `benchmarks/checkpoint.py` measured (183 MB/s and up, docs/checkpointing.md).
+SAVE_WAIT_BASE_S = 15.0
+SAVE_WAIT_RATE = 50e6
 
 
 class ReplicaHandler(ocp.AsyncCheckpointHandler):
@@ -107,6 +114,23 @@ class ReplicaRestore(ocp.args.CheckpointArgs):
     target: Any
 
 
+def _splitting(
+    shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per array and candidate count ``c`` (2 to the most replicas): the replicas its writing
+    splits over, ``min(replicas, c)``, and whether it splits at all (an axis of its shard
+    divisible by that, or one replica: its holder writes it). Also each array's bytes."""
+    nbytes = np.array([n for _, n, _ in shards], np.float64)
+    replicas = np.array([groups * m for _, _, m in shards], np.int64)
+    counts = np.arange(2, max(int(replicas.max()), 1) + 1)
+    k = np.minimum(replicas[:, None], counts[None, :])  # [array, count]
+    splits = k == 1
+    for axis in range(max(len(shape) for shape, _, _ in shards)):
+        dims = np.array([shape[axis] if axis < len(shape) else -1 for shape, _, _ in shards])
+        splits |= (dims[:, None] % k == 0) & (dims[:, None] > 0)
+    return counts, k, splits, nbytes
+
+
 def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int) -> int:
     """The most replicas a sharded save splits each array's writing over: most bytes split.
 
@@ -123,19 +147,32 @@ def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: in
     """
     if not shards:
         return 1
-    nbytes = np.array([n for _, n, _ in shards], np.float64)
-    replicas = np.array([groups * m for _, _, m in shards], np.int64)
-    top = int(replicas.max())
-    if top <= 1 or nbytes.sum() == 0:
+    counts, _, splits, nbytes = _splitting(shards, groups)
+    if counts.size == 0 or nbytes.sum() == 0:
         return 1
-    counts = np.arange(2, top + 1)
-    k = np.minimum(replicas[:, None], counts[None, :])  # [array, count]: replicas it splits over
-    splits = k == 1
-    for axis in range(max(len(shape) for shape, _, _ in shards)):
-        dims = np.array([shape[axis] if axis < len(shape) else -1 for shape, _, _ in shards])
-        splits |= (dims[:, None] % k == 0) & (dims[:, None] > 0)
     good = nbytes @ splits >= SPLIT_SHARE * nbytes.sum()
     return int(counts[good].max()) if good.any() else 1
+
+
+def save_wait_s(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int) -> float:
+    """How long a sharded save's barriers wait for a process: `SAVE_WAIT_BASE_S` plus the
+    most one process may write (bounded as if it held every distinct shard of an array)
+    at `SAVE_WAIT_RATE` bytes a second.
+
+    The coordination service does not fail a barrier whose participant died,
+    so this bounds what a death in the middle of a save costs the survivors
+    (`spare_jax.saving`), and it grows with the bytes so that a healthy slow
+    write is not taken for one.
+    """
+    if not shards:
+        return SAVE_WAIT_BASE_S
+    cap = replica_split(shards, groups)
+    counts, k, splits, nbytes = _splitting(shards, groups)
+    if counts.size == 0:
+        return SAVE_WAIT_BASE_S + float(nbytes.sum()) / SAVE_WAIT_RATE
+    col = cap - 2 if cap >= 2 else 0
+    over = np.where(splits[:, col], k[:, col], 1) if cap >= 2 else np.ones(len(shards))
+    return SAVE_WAIT_BASE_S + float((nbytes / over).sum()) / SAVE_WAIT_RATE
 
 
 def shard_table(abstract_state: Any, groups: int) -> list[tuple[tuple[int, ...], int, int]]:

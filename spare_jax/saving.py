@@ -41,9 +41,9 @@ class Saving:
             # A replacement opens no checkpoints until it is in the save group (`_regrow`).
             process_local=self.multi and not shared,
             group=(self.writer_process, self.members) if shared else None,
-            # Shared saves: a save in flight has barriers with every live process; one
-            # lost in it would hold the survivors for Orbax's barrier timeout. Saves
-            # finish between steps instead.
+            # Shared saves: a save in flight has barriers with every live process, and one
+            # lost in it holds the others there (`layouts.save_wait_s`). Saves finish
+            # between steps instead, where such a loss is taken as one in a step.
             use_async=not self.shared_saves,
             shards=layouts.shard_table(self.global_abstract, self.step.groups),
             replicas=self.step.groups,
@@ -139,11 +139,15 @@ class Saving:
             self.interval.stalls.append(stall)
 
     def _save_together(self, state: Any, force: bool) -> float | None:
-        """Groups spanning processes: every live process saves its shards, in one live-set block.
+        """Every live process saves its shards (sharded checkpoints, groups spanning
+        processes), in one live-set block.
 
-        A process lost during the save makes every survivor see it at once: the
-        save is dropped (the previous checkpoint stays the newest complete one)
-        and the survivors take over as after a loss in a step.
+        A process lost during the save leaves the others at one of Orbax's
+        barriers until its timeout (`Checkpointer.wait_s`, which grows with the
+        bytes); then every survivor's barrier fails and the block reports the
+        loss to all of them at once: the save is dropped (the previous
+        checkpoint stays the newest complete one) and the survivors take over
+        as after a loss in a step.
         """
         started = time.time()
         try:

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -328,6 +329,27 @@ class Job:
                 pass
         if not self.out.closed:
             self.out.close()
+
+
+def kill_in_a_save(job: Job, workdir: pathlib.Path, victim: int, after: int) -> int:
+    """SIGKILL ``victim`` as soon as worker 0 says it is in a save of step ``after`` or later;
+    that step. The victim's pid is read from its hello line first, so that only a log read
+    lies between worker 0's line and the kill."""
+    logs = [workdir / "launch" / f"worker-{i}.log" for i in (0, victim)]
+
+    def said(i: int) -> str:
+        return logs[i].read_text() if logs[i].exists() else ""
+
+    job.wait_for(lambda: '"kind": "hello"' in said(1), what="the victim's hello")
+    pid = int(re.search(r'"pid": (\d+)', said(1)).group(1))
+    saving = re.compile(r'"step": (\d+), "phase": "checkpoint"')
+
+    def in_a_save() -> bool:
+        return any(int(s) >= after for s in saving.findall(said(0)))
+
+    job.wait_for(in_a_save, what=f"a save of step {after} or later")
+    os.kill(pid, signal.SIGKILL)
+    return max(int(s) for s in saving.findall(said(0)))
 
 
 def no_process_left(workdir: pathlib.Path) -> None:

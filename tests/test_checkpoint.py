@@ -444,3 +444,83 @@ def test_replica_split_is_the_largest_count_that_splits_the_share(shards, groups
     if c > 1:
         assert split(c) >= layouts.SPLIT_SHARE * total
     assert all(split(k) < layouts.SPLIT_SHARE * total for k in range(c + 1, top + 1))
+
+
+def test_save_wait_grows_with_the_bytes_one_process_writes():
+    base, rate = layouts.SAVE_WAIT_BASE_S, layouts.SAVE_WAIT_RATE
+    weight = ((512, 4096), 4096 * 4096 * 4, 1)  # an FSDP-8 shard of a 4096 x 4096 float32
+    # 1,000 groups split it over 512 replicas (`replica_split`): each writes 1/512 of it.
+    assert layouts.save_wait_s([weight], 1000) == pytest.approx(base + 4096 * 4096 * 4 / 512 / rate)
+    # Nothing splits (7 rows, 4 replicas): one replica writes all of it.
+    assert layouts.save_wait_s([((7,), 7e9, 1)], 4) == pytest.approx(base + 7e9 / rate)
+    assert layouts.save_wait_s([], 4) == base
+    # 100 GB of such weights over 1,000 groups: 195 MB a replica at most, 4 s over the base.
+    hundred_gb = [((512, 4096), 100e9 / 1490, 1)] * 1490
+    assert layouts.save_wait_s(hundred_gb, 1000) == pytest.approx(base + 100e9 / 512 / rate)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 96), min_size=1, max_size=3).map(tuple),
+            st.integers(1, 10**9),
+            st.integers(1, 4),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 32),
+    st.integers(2, 5),
+)
+def test_save_wait_is_the_base_plus_a_split_share_of_the_bytes(shards, groups, scale):
+    """Between the base plus 1/(most replicas) of the bytes and the base plus all of them,
+    and its part over the base scales with the bytes."""
+    base, rate = layouts.SAVE_WAIT_BASE_S, layouts.SAVE_WAIT_RATE
+    wait = layouts.save_wait_s(shards, groups)
+    total = sum(n for _, n, _ in shards)
+    top = max(groups * m for _, _, m in shards)
+    assert base + total / top / rate * (1 - 1e-9) <= wait <= base + total / rate * (1 + 1e-9)
+    bigger = [(shape, n * scale, m) for shape, n, m in shards]
+    assert layouts.save_wait_s(bigger, groups) - base == pytest.approx(scale * (wait - base))
+
+
+def test_sharded_saves_bound_orbax_barriers_by_their_wait(tmp_path, monkeypatch, capsys):
+    """A checkpointer of sharded saves runs its saves with Orbax's barriers timing out after
+    its `wait_s` (`layouts.save_wait_s` of its state), and says so to a launcher."""
+    seen = []
+    real = checkpoint.jax_internals.orbax_barrier_timeout
+
+    def spy(seconds):
+        seen.append(seconds)
+        return real(seconds)
+
+    monkeypatch.setattr(checkpoint.jax_internals, "orbax_barrier_timeout", spy)
+    monkeypatch.setenv("SPARE_JAX_LAUNCH_DIR", str(tmp_path / "launch"))
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = {"w": jax.device_put(np.arange(60.0, dtype=np.float32).reshape(6, 10), sharding)}
+    shards = layouts.shard_table(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
+        2,
+    )
+    ckpt = checkpoint.Checkpointer(
+        str(tmp_path / "ckpt"),
+        checkpoint.Interval(total=4, pinned=1),
+        use_async=False,
+        group=(0, {0}),
+        shards=shards,
+        replicas=2,
+    )
+    assert ckpt.wait_s == layouts.save_wait_s(shards, 2)
+    ckpt.save(1, state, {"step": 1, "param_checksum": 0.0, "state_digest": "-"}, force=True)
+    ckpt.wait()
+    ckpt.close()
+    assert seen and set(seen) == {math.ceil(ckpt.wait_s)}, seen
+    assert (tmp_path / "ckpt" / "1").is_dir()
+    said = [
+        json.loads(line.split(":", 1)[1])
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("spare-jax-event:")
+    ]
+    assert {"kind": "save_barriers", "wait_s": round(ckpt.wait_s, 3)} in said, said

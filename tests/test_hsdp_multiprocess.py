@@ -28,6 +28,8 @@ import numpy as np
 import optax
 import pytest
 
+from spare_jax import checkpoint
+
 sys.path.insert(0, str(lj.ROOT / "experiments"))
 import regression
 
@@ -144,6 +146,44 @@ def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, cas
         assert left == 0 and 0 < loaded <= STEPS + 1 + 2 * changes, (p, loaded, changes)
         assert loaded * per_step < STEPS * global_rows
     lj.no_process_left(tmp_path)
+
+
+def test_a_process_killed_inside_a_spanning_save_masks_its_group_without_a_relaunch(env, tmp_path):
+    """4 x 2 (`fsdp:2,tensor:2`), a save every 5 steps: worker 2 SIGKILLed as soon as worker
+    0 is in the save of step 10 or later. The survivors' barriers in the save time out
+    (`layouts.save_wait_s`), the save is dropped, worker 2's group is masked and its mate
+    leaves with status 77; the launcher, given a 5 s grace, waits for the survivors (a
+    group-mate that left is not waited for, and the save's wait extends the grace). A kill
+    that misses the save runs the job again, up to three times."""
+    processes, devices, mesh, groups, _parts, victim, mate = CASES["4x2_fsdp_tensor"]
+    for attempt in range(3):
+        workdir = tmp_path / f"run{attempt}"
+        command = _launcher(workdir, processes, devices, mesh, STEPS, 5, "--grace_s=5")
+        job = lj.Job(command, workdir, env)
+        try:
+            step = lj.kill_in_a_save(job, workdir, victim=victim, after=10)
+            code = job.finish(timeout=400)
+        finally:
+            job.close()
+        assert code == 0, job.output()[-3000:]
+        if f"the save of step {step} was dropped" in job.output():
+            break
+    else:
+        pytest.fail("three kills in a row fell outside the save they were aimed at")
+    if lj.gloo_aborted(workdir):  # CPU only (docs/multihost.md, "neighbour aborts")
+        assert lj.events(workdir, "relaunch")
+        lj.assert_params(workdir, reference(groups), range(processes))
+    else:
+        assert not lj.events(workdir, "relaunch"), job.output()[-3000:]
+        assert [f["process"] for f in lj.events(workdir, "process_failure")] == [[victim]]
+        assert "exited with status 77" in job.output()
+        survivors = [p for p in range(processes) if p not in (victim, mate)]
+        lj.assert_params(workdir, reference(groups), survivors)
+    ckpts = workdir / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert steps and steps[-1] == STEPS, steps
+    assert all(checkpoint.missing_files(str(ckpts / str(s))) is None for s in steps), steps
+    lj.no_process_left(workdir)
 
 
 def test_a_stall_in_a_spanning_job_is_ridden_out_keeping_each_process_s_own_shards(env, tmp_path):

@@ -1,10 +1,12 @@
 """spare_jax.jax_internals: the JAX internals in use exist, and a missing one fails in one line."""
 
+import importlib
 import subprocess
 import sys
 
 import jax
 import jaxlib
+import orbax.checkpoint as ocp
 import pytest
 from jax.experimental import multihost_utils
 from jaxlib import _jax
@@ -15,7 +17,7 @@ from spare_jax import jax_internals
 def _one_line_naming(err: jax_internals.UnsupportedJax, missing: str) -> None:
     text = str(err)
     assert "\n" not in text
-    assert f"JAX {jax.__version__} (jaxlib {jaxlib.__version__})" in text
+    assert f"JAX {jax.__version__} (jaxlib {jaxlib.__version__}, Orbax {ocp.__version__})" in text
     assert missing in text
 
 
@@ -39,6 +41,30 @@ def test_missing_attribute_of_an_object_named(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(jax_internals.UnsupportedJax) as err:
         jax_internals.check()
     _one_line_naming(err.value, "jax.experimental.multihost_utils.live_devices.devices")
+
+
+def test_orbax_barrier_timeout_holds_inside_the_block_only() -> None:
+    orbax_multihost = importlib.import_module("orbax.checkpoint._src.multihost.multihost")
+    was = orbax_multihost.coordination_timeout()
+    with jax_internals.orbax_barrier_timeout(17):
+        assert orbax_multihost.coordination_timeout() == 17
+        with jax_internals.orbax_barrier_timeout(0):  # nested; never below 1 s
+            assert orbax_multihost.coordination_timeout() == 1
+        assert orbax_multihost.coordination_timeout() == 17
+    assert orbax_multihost.coordination_timeout() == was
+    with pytest.raises(RuntimeError), jax_internals.orbax_barrier_timeout(9):
+        raise RuntimeError("a save failed")
+    assert orbax_multihost.coordination_timeout() == was
+
+
+def test_missing_orbax_constant_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    orbax_multihost = importlib.import_module("orbax.checkpoint._src.multihost.multihost")
+    monkeypatch.delattr(orbax_multihost, "_DEFAULT_BARRIER_TIMEOUT")
+    with pytest.raises(jax_internals.UnsupportedJax) as err:
+        jax_internals.check()
+    _one_line_naming(
+        err.value, "orbax.checkpoint._src.multihost.multihost._DEFAULT_BARRIER_TIMEOUT"
+    )
 
 
 def test_missing_module_named(monkeypatch: pytest.MonkeyPatch) -> None:

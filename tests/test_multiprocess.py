@@ -210,7 +210,7 @@ def test_sharded_checkpoints_are_written_by_every_live_process_and_restore_exact
     ckpts = tmp_path / "checkpoints"
     job = _start(env, tmp_path, "--sharded_checkpoints", "--checkpoint_steps=10")
     try:
-        # Between two saves: a loss inside one waits in Orbax's barriers (a relaunch).
+        # Between two saves (a loss inside one: the test after this one).
         job.wait_for(lambda: lj.events(tmp_path, "checkpoint"), what="the save of step 10")
         job.signal(victim, signal.SIGKILL)
         code = job.finish()
@@ -237,6 +237,45 @@ def test_sharded_checkpoints_are_written_by_every_live_process_and_restore_exact
     assert _writers(ckpts / str(STEPS + 10) / "state") == [0, 1, 2, 3]
     lj.assert_params(tmp_path, lj.reference_params(STEPS + 10), range(4))
     lj.no_process_left(tmp_path)
+
+
+def test_a_worker_killed_inside_a_sharded_save_is_masked_and_the_save_dropped(
+    env, tmp_path, reference
+):
+    """A loss in the middle of a sharded save: the survivors' Orbax barriers time out after
+    the save's wait (`layouts.save_wait_s`: 15 s for this state) instead of Orbax's 300 s,
+    they drop that save and go on without the lost process; no relaunch, the run ends
+    exact, and every checkpoint on disk is whole.
+
+    The launcher's grace after a death (5 s here) is extended by that wait while the
+    survivors say they are in a save: without it the launcher would end the attempt. A
+    kill that misses the save (it ended first: a loss between steps, masked too) runs the
+    job again, up to three times; the test checks the run whose kill fell inside it.
+    """
+    for attempt in range(3):
+        workdir = tmp_path / f"run{attempt}"
+        job = _start(env, workdir, "--sharded_checkpoints", launcher_flags=("--grace_s=5",))
+        try:
+            step = lj.kill_in_a_save(job, workdir, victim=2, after=10)
+            code = job.finish()
+        finally:
+            job.close()
+        assert code == 0, job.output()[-3000:]
+        if f"the save of step {step} was dropped" in job.output():
+            break
+    else:
+        pytest.fail("three kills in a row fell outside the save they were aimed at")
+    masked = lj.assert_masked(workdir, reference, [2], STEPS)
+    if masked:
+        (failure,) = lj.events(workdir, "process_failure")
+        assert failure["step"] == step, (failure, step)
+    ckpts = workdir / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert steps and steps[-1] == STEPS, steps
+    assert not [p.name for p in ckpts.iterdir() if not p.name.isdigit()], list(ckpts.iterdir())
+    for saved in steps:
+        assert checkpoint.missing_files(str(ckpts / str(saved))) is None, saved
+    lj.no_process_left(workdir)
 
 
 def test_a_killed_launcher_takes_its_workers_and_a_rerun_resumes(env, tmp_path):

@@ -176,7 +176,7 @@ def test_a_replacement_joins_the_sharded_checkpoints_of_the_survivors(env, tmp_p
     """``--sharded_checkpoints``, saves every 40 steps: the survivors save without the killed
     worker, its replacement joins their save group, and the last checkpoint, written by all
     four again, restores exactly in a lone process. The kill comes 2 steps after a save, far
-    from the next: a loss inside a save waits in Orbax's barriers (a relaunch)."""
+    from the next (a loss inside a save: `test_multiprocess.py`)."""
     flags = ("--sharded_checkpoints", "--checkpoint_steps=40")
     workdir = _scenario(env, tmp_path, reference, [(2, 42, signal.SIGKILL)], worker_flags=flags)
     state = workdir / "checkpoints" / str(STEPS) / "state"
