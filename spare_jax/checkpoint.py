@@ -1,28 +1,15 @@
-"""Orbax checkpoints at the interval our analytical model chooses, and a restore that skips junk.
+"""Orbax checkpoints of the train state, and a restore that skips junk.
 
-Owns three things:
-
-* `IntervalModel`: the checkpoint interval in steps. It is not a hand-set
-  number: the run is described as a `spare_jax.scenario.Scenario` (its groups,
-  strategy, redundancy and micro-batches; the **measured** step time, save
-  stall, save duration and restore time; the configured failure rate) and
-  `spare_jax.analysis.time_to_train` gives the interval that minimises the
-  expected time-to-train, converted to steps. It is re-derived whenever the
-  measurements move (after warm-up, after each save).
-* `Interval`: the interval in force, the one copy of it: Orbax's save
-  decision, fed with the measurements, carried through each checkpoint. It
-  caps the model's optimum with a ceiling (`Interval.ceiling`): the model
-  covers hardware failures only, and a preemption without notice, a killed
-  launcher or a Ctrl-C loses the work since the last save too.
-* `Checkpointer`: an Orbax ``CheckpointManager`` with asynchronous saves of the
-  train state plus a JSON record of everything else needed to continue exactly
-  (the live set, the failure process's progress, the re-join clock, a
-  parameter checksum). Orbax decides when to save through our
-  `Interval` (its ``save_decision_policy`` hook) and keeps the latest
-  few through our `KeepIntact` preservation policy. `restore_latest` walks the
-  steps from the newest, moves a checkpoint that fails to restore (a killed
-  save, a truncated file, a foreign directory, a checksum mismatch) aside
-  into ``corrupt/`` with a warning naming it, and returns the newest good one.
+`Checkpointer` is an Orbax ``CheckpointManager`` with asynchronous saves of
+the train state plus a JSON record of everything else needed to continue
+exactly (the live set, the failure process's progress, the re-join clock, a
+parameter checksum). Orbax decides when to save through the run's
+`spare_jax.interval.Interval` (its ``save_decision_policy`` hook; the
+interval comes from the analytical model) and keeps the latest few through
+our `KeepIntact` preservation policy. `restore_latest` walks the steps from
+the newest, moves a checkpoint that fails to restore (a killed save, a
+truncated file, a foreign directory, a checksum mismatch) aside into
+``corrupt/`` with a warning naming it, and returns the newest good one.
 
 A committed checkpoint is trusted only once its files are all there
 (`missing_files`): a save is reported complete only then (a failed save
@@ -42,32 +29,27 @@ import logging
 import math
 import os
 import shutil
-import statistics
 import time
-import zipfile
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from spare_jax import (
-    analysis,
-    checks,
-    digest,
-    errors,
-    jax_internals,
-    layouts,
-    multihost,
-    runlog,
-    strategies,
+from spare_jax import checks, digest, errors, jax_internals, layouts, multihost, runlog
+from spare_jax.digest import param_checksum  # also here: the record's checksum
+from spare_jax.interval import Interval, IntervalModel  # also here: Checkpointer takes one
+from spare_jax.layouts import (
+    KeepIntact,
+    ReplicaHandler,
+    ReplicaRestore,
+    ReplicaSave,
+    missing_files,
+    replica_split,
 )
-from spare_jax.layouts import ReplicaHandler, ReplicaRestore, ReplicaSave, replica_split
-from spare_jax.scenario import Scenario
 
 __all__ = [
     "Checkpointer",
@@ -86,13 +68,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The interval's ceiling (`Interval.ceiling`; sources in docs/checkpointing.md).
-# Mean time between the interruptions the failure model leaves out: Llama 3's
-# pre-training had 47 planned interruptions (maintenance, operators) in 54 days.
-UNMODELLED_MTBI_S = 54 * 24 * 3600 / 47
-RUN_FRACTION = 0.1  # at most a tenth of the run's work between saves
-STALL_SHARE = 0.05  # the ceiling never makes save stalls more than 5% of the time
-
 
 class NoUsableCheckpoint(errors.FitError):
     """Checkpoints exist but none of them restores."""
@@ -101,80 +76,6 @@ class NoUsableCheckpoint(errors.FitError):
 
 
 StorageError = errors.StorageError  # a checkpoint could not be written
-
-
-# Every file a complete checkpoint holds: the common ones, then the state's in
-# either layout (Orbax's sharded arrays, or one process's replica).
-_REQUIRED = ("_CHECKPOINT_METADATA", "meta/metadata")
-_STATE_LAYOUTS = (("state/_METADATA", "state/manifest.ocdbt"), ("state/replica.npz",))
-_REPLICA = layouts.REPLICA_FILE
-
-
-def _file_problem(path: str, name: str) -> str | None:
-    try:
-        if os.path.getsize(os.path.join(path, name)) == 0:
-            return f"{name} is empty"
-    except OSError:
-        return f"{name} is missing"
-    return None
-
-
-def missing_files(path: str) -> str | None:
-    """Why the checkpoint directory ``path`` is incomplete, or None when its files are all there.
-
-    Checks that each file of a complete checkpoint exists and is not empty,
-    that a replica archive is whole (its index is read) and that the JSON
-    record parses and carries the parameter checksum; cheap enough to ask
-    before every retention decision.
-    """
-    for name in _REQUIRED:
-        if (problem := _file_problem(path, name)) is not None:
-            return problem
-    problems = [[_file_problem(path, n) for n in layout] for layout in _STATE_LAYOUTS]
-    complete = [layout for layout, ps in zip(_STATE_LAYOUTS, problems, strict=True) if not any(ps)]
-    if not complete:
-        started = [p for ps in problems for p in ps if p and "empty" in p]
-        return started[0] if started else "state/ holds no array data"
-    if complete[0] == ("state/replica.npz",):
-        try:
-            with zipfile.ZipFile(os.path.join(path, "state", _REPLICA)) as archive:
-                archive.namelist()
-        except (OSError, zipfile.BadZipFile) as err:
-            return f"state/{_REPLICA} is damaged ({type(err).__name__})"
-    try:
-        with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError) as err:
-        return f"meta/metadata does not parse ({type(err).__name__})"
-    if not isinstance(record, dict) or "param_checksum" not in record:
-        return "meta/metadata has no parameter checksum"
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class KeepIntact:
-    """Orbax preservation policy: the newest ``n`` complete checkpoints, and nothing counted else.
-
-    Orbax asks when a save starts, counting the save in flight. Counting only
-    checkpoints whose files are all there on disk means that a save that fails
-    (or a committed directory with no data) never pushes a good checkpoint out:
-    the newest ``n`` that restore stay (the one in flight comes on top, and
-    `Checkpointer` lets the oldest go once the new one is confirmed).
-    Incomplete ones are left for `Checkpointer.restore_latest` to set aside
-    with a message.
-    """
-
-    directory: str
-    n: int
-
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
-        del context
-        keep, counted = [True] * len(checkpoints), 0
-        for i in range(len(checkpoints) - 1, -1, -1):
-            if missing_files(os.path.join(self.directory, str(checkpoints[i].step))) is None:
-                counted += 1
-                keep[i] = counted <= self.n
-        return keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,21 +87,6 @@ class Saved:
     write_s: float
 
 
-@jax.jit
-def _leaf_sums(params: Any) -> jax.Array:
-    return jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(params)])
-
-
-def param_checksum(params: Any) -> float:
-    """Sum of squares of every parameter, added up in float64 (a fingerprint of the model).
-
-    Each leaf's sum is computed on device in float32 (one compiled program) and
-    the per-leaf sums are added on the host in float64.
-    """
-    sums = _leaf_sums(params)
-    return float(np.asarray(sums.addressable_shards[0].data, np.float64).sum())
-
-
 def host_replica(state: Any) -> tuple[Any, dict[str, Any]]:
     """What a multi-process job's writer saves: its replica's host copy, and the record's checks.
 
@@ -209,219 +95,9 @@ def host_replica(state: Any) -> tuple[Any, dict[str, Any]]:
     """
     checks = {
         "state_digest": digest.state_digest(state),
-        "param_checksum": param_checksum(state.params),
+        "param_checksum": digest.param_checksum(state.params),
     }
     return jax.tree.map(multihost.host_copy, state), checks
-
-
-def _check_digest(state: Any, saved: list[int]) -> None:
-    """Every array's bits against the digest saved with it."""
-    got = digest.state_digest(state)
-    if len(got) != len(saved):
-        raise ValueError(f"the state has {len(got)} arrays, the saved digest {len(saved)}")
-    bad = [i for i, (a, b) in enumerate(zip(got, saved, strict=True)) if a != b]
-    if bad:
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-        names = ", ".join(paths[i] for i in bad[:3]) + (" ..." if len(bad) > 3 else "")
-        raise ValueError(f"{len(bad)} array(s) differ from the digest saved with them: {names}")
-
-
-@dataclasses.dataclass(frozen=True)
-class IntervalModel:
-    """The run as a scenario of the analytical model, and the interval it implies.
-
-    Attributes:
-        strategy: data-plane strategy (``spare``, ``replication`` or ``dp``).
-        redundancy: r.
-        microbatches: m.
-        policy: ``adaptive`` or ``fixed`` (``drop`` is modelled as adaptive).
-        groups: G.
-        devices_per_group: devices (GPUs) per group.
-        steps: the run's length in steps (the interval never exceeds it).
-        failure_rate: failures per group per step; 0 uses ``gpu_mtbf_hours``.
-        gpu_mtbf_hours: per-device MTBF when no rate is configured.
-        repair_steps: hot re-join after this many steps (0: at rollbacks only).
-    """
-
-    strategy: str
-    redundancy: int
-    microbatches: int
-    policy: str
-    groups: int
-    devices_per_group: int
-    steps: int
-    failure_rate: float
-    gpu_mtbf_hours: float
-    repair_steps: int = 0
-
-    def scenario(self, step_s: float, stall_s: float, save_s: float, restore_s: float) -> Scenario:
-        """The run as a `Scenario`, from measured seconds per step, save stall, save and restore."""
-        step_s = checks.number("step_s", step_s, low=0.0, low_open=True)
-        if self.failure_rate > 0:
-            gpu_mtbf_h = step_s / self.failure_rate * self.devices_per_group / 3600.0
-        else:
-            gpu_mtbf_h = self.gpu_mtbf_hours
-        return Scenario(
-            gpus=self.groups * self.devices_per_group,
-            gpus_per_group=self.devices_per_group,
-            gpu_mtbf_hours=gpu_mtbf_h,
-            work_hours=self.steps * step_s / 3600.0,
-            checkpoint_s=max(save_s, stall_s),
-            checkpoint_async=True,
-            checkpoint_async_stall_s=stall_s,
-            restart_s_ref=restore_s,
-            restart_ref_gpus=self.groups * self.devices_per_group,
-            restart_exponent=0.0,
-            repair="hot" if self.repair_steps else "restart",
-            mttr_hours=max(self.repair_steps, 1) * step_s / 3600.0,
-        ).validate()
-
-    def interval(
-        self, step_s: float, stall_s: float, save_s: float, restore_s: float
-    ) -> tuple[int, dict[str, float]]:
-        """The optimal interval in steps, and the figures it came from."""
-        scenario = self.scenario(step_s, stall_s, save_s, restore_s)
-        policy = "adaptive" if self.policy == "drop" else self.policy
-        kind = strategies.canonical(self.strategy)
-        estimate = analysis.time_to_train(
-            scenario,
-            kind,
-            redundancy=self.redundancy if kind != "dp" else 1,
-            microbatches=self.microbatches,
-            policy=policy,
-        )
-        tau = estimate.checkpoint_interval_s
-        if not math.isfinite(estimate.time_to_train_s):
-            # No interval finishes the run in the model (saves outlast the mean time
-            # to interruption): the renewal optimum of the save cost alone is the
-            # best the model can say.
-            tau = analysis.exact_optimum(stall_s, estimate.mean_time_to_interruption_s)
-        steps = self.steps if not math.isfinite(tau) else round(tau / step_s)
-        figures = {
-            "step_s": step_s,
-            "save_stall_s": stall_s,
-            "save_s": save_s,
-            "restore_s": restore_s,
-            "group_mtbf_s": scenario.group_mtbf_s,
-            "mtti_s": estimate.mean_time_to_interruption_s,
-            "interval_s": tau,
-        }
-        return min(max(steps, 1), self.steps), figures
-
-
-@dataclasses.dataclass
-class Interval:
-    """The checkpoint interval in force: Orbax's save decision, its source and its figures.
-
-    The one copy of the interval. Orbax asks `should_save` (this object is the
-    manager's ``save_decision_policy``); the run feeds it measurements
-    (`stalls`, `saves`, `restore_s`) and calls `update`, which re-derives the
-    interval from `IntervalModel`; `as_dict`/`load` carry it through a
-    checkpoint, so a resumed run starts from the interval it had.
-
-    Attributes:
-        total: the run's length in steps (always saved; the interval never exceeds it).
-        model: the analytical model (None: the interval stays ``pinned``).
-        pinned: a fixed interval in steps (0: the model decides).
-        extra: steps that are always saved (the calibration save after warm-up).
-        steps: the interval in force.
-        source: ``"model"`` (the model's optimum), ``"ceiling"`` (the ceiling was
-            lower; ``figures["ceiling_by"]`` names its bound) or ``"pinned"``.
-        figures: the measurements and results the interval came from.
-    """
-
-    total: int
-    model: IntervalModel | None = None
-    pinned: int = 0
-    extra: frozenset[int] = frozenset()
-    steps: int = 0
-    source: str = "model"
-    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
-    stalls: list[float] = dataclasses.field(default_factory=list)
-    saves: list[float] = dataclasses.field(default_factory=list)
-    restore_s: float | None = None
-
-    def __post_init__(self) -> None:
-        checks.integer("total", self.total, low=1)
-        checks.integer("pinned", self.pinned, low=0)
-        if self.pinned or self.model is None:
-            self.steps, self.source = self.pinned or self.total, "pinned"
-        elif not self.steps:
-            self.steps = self.total  # until the first measurements
-
-    def should_save(self, step: Any, previous_steps: Sequence[Any], *, context: Any) -> bool:
-        """Orbax's question: save ``step``? (every ``steps`` since the last save, and ``extra``)."""
-        del context
-        if step.step in self.extra or step.step == self.total:
-            return True
-        last = previous_steps[-1].step if previous_steps else 0
-        return step.step - last >= self.steps
-
-    def update(self, step_times: Sequence[float]) -> bool:
-        """Re-derive the interval from the medians measured so far; True when it changed."""
-        if self.pinned or self.model is None or not step_times or not self.stalls:
-            return False
-        # The first save also pays Orbax's one-time start-up: leave it out once
-        # there are others.
-        stalls = self.stalls[1:] or self.stalls
-        saves = self.saves[1:] or self.saves
-        stall = statistics.median(stalls)
-        save = statistics.median(saves) if saves else stall
-        restore = self.restore_s if self.restore_s is not None else save
-        step_s = statistics.median(step_times)
-        optimum, figures = self.model.interval(step_s, stall, save, restore)
-        longest = max(saves) if saves else save  # the ceiling allows for the slowest save
-        ceiling, ceiling_s, by = self.ceiling(
-            step_s, stall, longest, calibrated=len(self.stalls) > 1
-        )
-        steps = min(optimum, ceiling)
-        self.source = "model" if optimum <= ceiling else "ceiling"
-        self.figures = {
-            **figures,
-            "model_steps": optimum,
-            "ceiling_steps": ceiling,
-            "ceiling_s": ceiling_s,
-            "ceiling_by": by,
-        }
-        changed = steps != self.steps
-        self.steps = steps
-        return changed
-
-    def ceiling(
-        self, step_s: float, stall_s: float, save_s: float, *, calibrated: bool = True
-    ) -> tuple[int, float, str]:
-        """The most steps between saves, the work at risk it allows (s), and the bound that set it.
-
-        The work at risk (from the newest complete save to a kill) is the least
-        of ``"unmodelled"`` (Young's interval ``sqrt(2 * stall *
-        UNMODELLED_MTBI_S)`` for the interruptions the model leaves out) and
-        ``"run_fraction"`` (``RUN_FRACTION`` of the run's work), never below
-        ``"save_cost"`` (an interval of ``stall / STALL_SHARE``, and of one
-        save's duration). A save is complete ``save_s`` after it starts, so the
-        interval is the work at risk less one save. ``calibrated`` False (only
-        the first save measured, its stall inflated by Orbax's start-up): the
-        floor is one save's duration alone.
-        """
-        bounds = {
-            "unmodelled": math.sqrt(2.0 * stall_s * UNMODELLED_MTBI_S),
-            "run_fraction": RUN_FRACTION * self.total * step_s,
-        }
-        by = min(bounds, key=bounds.__getitem__)
-        seconds = bounds[by]
-        floor = save_s + max(stall_s / STALL_SHARE if calibrated else 0.0, save_s)
-        if floor > seconds:
-            by, seconds = "save_cost", floor
-        steps = min(max(int((seconds - save_s) // step_s), 1), self.total)
-        return steps, seconds, by
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "source": self.source, "figures": self.figures}
-
-    def load(self, saved: dict[str, Any]) -> None:
-        """Continue from the interval a checkpoint recorded (unless pinned)."""
-        if not self.pinned and self.model is not None and saved.get("steps"):
-            self.steps, self.figures = int(saved["steps"]), dict(saved.get("figures", {}))
-            self.source = str(saved.get("source", self.source))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,7 +294,7 @@ class Checkpointer:
                             **meta,
                             "param_checksum": meta["param_checksum"]
                             if "param_checksum" in meta
-                            else param_checksum(state.params),
+                            else digest.param_checksum(state.params),
                             "state_digest": meta.get("state_digest") or digest.state_digest(state),
                         }
                     ),
@@ -695,7 +371,11 @@ class Checkpointer:
         except OSError:
             return False
         intact = [s for s in self.steps() if self._intact(s)]
-        need = _tree_bytes(os.path.join(self.directory, str(intact[-1]))) if intact else 1 << 20
+        need = (
+            layouts.on_disk_bytes(os.path.join(self.directory, str(intact[-1])))
+            if intact
+            else 1 << 20
+        )
         return free < max(need, 1 << 16)
 
     def _intact(self, step: int) -> bool:
@@ -745,7 +425,7 @@ class Checkpointer:
         with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
             meta = json.load(f)
         state_dir = epath.Path(path) / "state"
-        if (state_dir / _REPLICA).exists():
+        if (state_dir / layouts.REPLICA_FILE).exists():
             return ReplicaHandler().restore(state_dir, ReplicaRestore(host_target)), meta, True
         me = jax.process_index()
         alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
@@ -788,9 +468,9 @@ class Checkpointer:
                 local = self.process_local or not place
                 state, meta, host = self._read(step, abstract_state, host_target, local)
                 if "state_digest" in meta:  # every bit of every array: the stronger check
-                    _check_digest(state, meta["state_digest"])
+                    digest.check_digest(state, meta["state_digest"])
                 else:
-                    got, want = param_checksum(state.params), meta["param_checksum"]
+                    got, want = digest.param_checksum(state.params), meta["param_checksum"]
                     if not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
                         raise ValueError(
                             f"parameter checksum {got!r} differs from the saved {want!r}"
@@ -814,14 +494,3 @@ class Checkpointer:
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()
-
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total

@@ -10,6 +10,9 @@ it (the weights are odd, hence invertible mod 2**32), and every word's
 position counts. Device arrays are digested by one jitted program where
 they lie; host arrays with NumPy in blocks (no upload, no full-size
 temporary).
+
+`param_checksum` is a coarser fingerprint of the parameters alone (a sum of
+squares) that every checkpoint's record carries as well.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["state_digest"]
+__all__ = ["check_digest", "param_checksum", "state_digest"]
 
 _BLOCK = 1 << 22  # words per NumPy block
 
@@ -78,3 +81,30 @@ def state_digest(state: Any) -> list[int]:
         if not isinstance(x, jax.Array):
             digests[i] = _digest_np(np.asarray(x))
     return digests
+
+
+@jax.jit
+def _leaf_sums(params: Any) -> jax.Array:
+    return jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(params)])
+
+
+def param_checksum(params: Any) -> float:
+    """Sum of squares of every parameter, added up in float64 (a fingerprint of the model).
+
+    Each leaf's sum is computed on device in float32 (one compiled program) and
+    the per-leaf sums are added on the host in float64.
+    """
+    sums = _leaf_sums(params)
+    return float(np.asarray(sums.addressable_shards[0].data, np.float64).sum())
+
+
+def check_digest(state: Any, saved: list[int]) -> None:
+    """Every array's bits against the digest saved with it."""
+    got = state_digest(state)
+    if len(got) != len(saved):
+        raise ValueError(f"the state has {len(got)} arrays, the saved digest {len(saved)}")
+    bad = [i for i, (a, b) in enumerate(zip(got, saved, strict=True)) if a != b]
+    if bad:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        names = ", ".join(paths[i] for i in bad[:3]) + (" ..." if len(bad) > 3 else "")
+        raise ValueError(f"{len(bad)} array(s) differ from the digest saved with them: {names}")

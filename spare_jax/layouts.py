@@ -1,5 +1,7 @@
 """How a checkpoint's state lies on disk: one process's replica, or sharded arrays.
 
+* `missing_files`: whether a checkpoint directory holds every file of either
+  layout, and `KeepIntact`, the retention that counts only such checkpoints.
 * `ReplicaHandler`: an Orbax item handler for one process's full replica
   of the state, as host arrays in one ``replica.npz``. The writer of a
   multi-process job whose groups lie whole on processes saves this way by
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +30,12 @@ import orbax.checkpoint as ocp
 __all__ = [
     "REPLICA_FILE",
     "SPLIT_SHARE",
+    "KeepIntact",
     "ReplicaHandler",
     "ReplicaRestore",
     "ReplicaSave",
+    "missing_files",
+    "on_disk_bytes",
     "replica_split",
     "save_wait_s",
     "shard_table",
@@ -44,6 +50,91 @@ SPLIT_SHARE = 0.9  # sharded saves: split the writing so that this share of the 
 # write rate `benchmarks/checkpoint.py` measured (183 MB/s and up, docs/checkpointing.md).
 SAVE_WAIT_BASE_S = 15.0
 SAVE_WAIT_RATE = 50e6
+
+
+# Every file a complete checkpoint holds: the common ones, then the state's in
+# either layout (Orbax's sharded arrays, or one process's replica).
+_REQUIRED = ("_CHECKPOINT_METADATA", "meta/metadata")
+_STATE_LAYOUTS = (("state/_METADATA", "state/manifest.ocdbt"), ("state/" + REPLICA_FILE,))
+
+
+def _file_problem(path: str, name: str) -> str | None:
+    try:
+        if os.path.getsize(os.path.join(path, name)) == 0:
+            return f"{name} is empty"
+    except OSError:
+        return f"{name} is missing"
+    return None
+
+
+def missing_files(path: str) -> str | None:
+    """Why the checkpoint directory ``path`` is incomplete, or None when its files are all there.
+
+    Checks that each file of a complete checkpoint exists and is not empty,
+    that a replica archive is whole (its index is read) and that the JSON
+    record parses and carries the parameter checksum; cheap enough to ask
+    before every retention decision.
+    """
+    for name in _REQUIRED:
+        if (problem := _file_problem(path, name)) is not None:
+            return problem
+    problems = [[_file_problem(path, n) for n in layout] for layout in _STATE_LAYOUTS]
+    complete = [layout for layout, ps in zip(_STATE_LAYOUTS, problems, strict=True) if not any(ps)]
+    if not complete:
+        started = [p for ps in problems for p in ps if p and "empty" in p]
+        return started[0] if started else "state/ holds no array data"
+    if complete[0] == _STATE_LAYOUTS[1]:
+        try:
+            with zipfile.ZipFile(os.path.join(path, "state", REPLICA_FILE)) as archive:
+                archive.namelist()
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"state/{REPLICA_FILE} is damaged ({type(err).__name__})"
+    try:
+        with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"meta/metadata does not parse ({type(err).__name__})"
+    if not isinstance(record, dict) or "param_checksum" not in record:
+        return "meta/metadata has no parameter checksum"
+    return None
+
+
+def on_disk_bytes(path: str) -> int:
+    """The bytes of every file under ``path`` (a checkpoint's size on disk)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepIntact:
+    """Orbax preservation policy: the newest ``n`` complete checkpoints, and nothing counted else.
+
+    Orbax asks when a save starts, counting the save in flight. Counting only
+    checkpoints whose files are all there on disk means that a save that fails
+    (or a committed directory with no data) never pushes a good checkpoint out:
+    the newest ``n`` that restore stay (the one in flight comes on top, and
+    `Checkpointer` lets the oldest go once the new one is confirmed).
+    Incomplete ones are left for `Checkpointer.restore_latest` to set aside
+    with a message.
+    """
+
+    directory: str
+    n: int
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        del context
+        keep, counted = [True] * len(checkpoints), 0
+        for i in range(len(checkpoints) - 1, -1, -1):
+            if missing_files(os.path.join(self.directory, str(checkpoints[i].step))) is None:
+                counted += 1
+                keep[i] = counted <= self.n
+        return keep
 
 
 class ReplicaHandler(ocp.AsyncCheckpointHandler):

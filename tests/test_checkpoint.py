@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import spare_jax
 from spare_jax import analysis, checkpoint, layouts
+from spare_jax import interval as interval_lib
 
 
 def _state():
@@ -274,7 +275,7 @@ def test_the_ceiling_caps_the_model_and_says_which_bound_applied():
     interval = _interval(10**6)
     interval.stalls, interval.saves = [5.0, 0.5, 0.5], [9.0, 2.0, 2.0]
     assert interval.update([1.0] * 5)
-    young = math.sqrt(2 * 0.5 * checkpoint.UNMODELLED_MTBI_S)  # ~315 s
+    young = math.sqrt(2 * 0.5 * interval_lib.UNMODELLED_MTBI_S)  # ~315 s
     f = interval.figures
     assert interval.source == "ceiling" and f["ceiling_by"] == "unmodelled"
     assert f["ceiling_s"] == pytest.approx(young) and 290 < young < 340
@@ -290,7 +291,7 @@ def test_the_ceiling_caps_the_model_and_says_which_bound_applied():
     interval.stalls, interval.saves = [5.0, 1.0], [9.0, 1.5]
     interval.update([0.05] * 5)
     assert interval.figures["ceiling_by"] == "save_cost"
-    assert interval.figures["ceiling_s"] == pytest.approx(1.0 / checkpoint.STALL_SHARE + 1.5)
+    assert interval.figures["ceiling_s"] == pytest.approx(1.0 / interval_lib.STALL_SHARE + 1.5)
     assert interval.steps == int(20.0 // 0.05)  # stalls are 5% of the interval
     # Only the start-up-inflated first save measured: the floor is two saves' duration.
     interval = _interval(2000)
