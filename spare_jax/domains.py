@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spare_jax import compile_cache, slots
 from spare_jax import mesh as mesh_lib
-from spare_jax import train_step as step_lib
+from spare_jax import step as step_fns
 
 __all__ = ["Split", "domain_of", "failure_domains", "lift", "view"]
 
@@ -155,7 +155,7 @@ class Split:
     def _gradients_program(self, specs: Any) -> Any:
         group = PartitionSpec(mesh_lib.GROUP_AXES)
         table_specs = slots.Slots(group, group, group, PartitionSpec(), PartitionSpec())
-        per_group = lambda p, s, t: step_lib.group_gradients(
+        per_group = lambda p, s, t: step_fns.group_gradients(
             self.loss_fn, p, s, t, self.accum_dtype, reduce=False
         )
         is_spec = lambda x: isinstance(x, PartitionSpec)
@@ -191,7 +191,7 @@ class Split:
         rep = NamedSharding(self.mesh, PartitionSpec())
 
         def update(state: Any, grad_sum: Any, loss_sum: jax.Array, denom: jax.Array) -> Any:
-            return step_lib.update_step(state, grad_sum, loss_sum, denom, tx=self.tx)
+            return step_fns.update_step(state, grad_sum, loss_sum, denom, tx=self.tx)
 
         metrics = {"loss": rep, "grad_norm": rep}
         return jax.jit(update, out_shardings=(state_shardings, metrics), donate_argnums=(0,))

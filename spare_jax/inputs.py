@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Layout", "Units", "layout", "load", "rows_in", "takes_units"]
+__all__ = ["GlobalStacks", "Layout", "Units", "layout", "load", "rows_in", "takes_units"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,3 +180,59 @@ def load(step: Any, batches: Callable[..., Any], t: int) -> tuple[Any, int]:
         return jax.make_array_from_process_local_data(step.stack_sharding, local, shape)
 
     return jax.tree.map(place, data), rows * lay.ids.size
+
+
+class GlobalStacks:
+    """The failure-free global batch laid out as every mesh group's stack, placed on the
+    group axis (the global form of ``batches``).
+
+    ``units``: micro-batches in the global batch (``G * m``); ``unit_ids``: int[groups of
+    this mesh, stack], the unit at each stack position; ``sharding``: the stacks'.
+    """
+
+    def __init__(self, units: int, unit_ids: np.ndarray, sharding: Any):
+        self.units, self.unit_ids, self.sharding = units, unit_ids, sharding
+        self._gathers: dict[int, Callable[..., Any]] = {}  # device batches, by rows
+
+    def rows_per_unit(self, batch: Any) -> int:
+        """b, the rows of one micro-batch, after checking the batch's shape."""
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ValueError("batch must hold at least one array")
+        sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+        if len(sizes) != 1 or -1 in sizes:
+            raise ValueError(f"batch leaves must share one leading (row) axis, got sizes {sizes}")
+        (n,) = sizes
+        if n < self.units or n % self.units:
+            raise ValueError(
+                f"batch must have G*m*b rows (a positive multiple of G*m = {self.units}), got {n}"
+            )
+        return n // self.units
+
+    def __call__(self, batch: Any) -> Any:
+        rows = self.rows_per_unit(batch)
+        ids = self.unit_ids
+
+        def stack(x: Any) -> jax.Array:
+            rest = tuple(np.shape(x)[1:])
+            shape = (ids.shape[0], ids.shape[1], rows, *rest)
+            if isinstance(x, jax.Array):
+                return self._gather(x, rows)
+            host = np.asarray(x).reshape(-1, rows, *rest)
+            return jax.make_array_from_callback(
+                shape,
+                self.sharding,
+                lambda index: host[ids[index[0]]][(slice(None), *index[1:])],
+            )
+
+        return jax.tree.map(stack, batch)
+
+    def _gather(self, x: jax.Array, rows: int) -> jax.Array:
+        """A device batch laid out as stacks on device (one compiled gather per row count)."""
+        if rows not in self._gathers:
+            ids = self.unit_ids
+            self._gathers[rows] = jax.jit(
+                lambda v: v.reshape(-1, rows, *v.shape[1:])[ids],
+                out_shardings=self.sharding,
+            )
+        return self._gathers[rows](x)

@@ -36,6 +36,7 @@ a user's own model names mesh axes in its ``PartitionSpec`` s directly.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,6 +46,8 @@ __all__ = [
     "AXES",
     "GROUP_AXES",
     "RULES",
+    "check_batch_axes",
+    "check_param_spec",
     "devices_per_group",
     "group_coords",
     "group_devices",
@@ -54,6 +57,7 @@ __all__ = [
     "make_mesh",
     "num_groups",
     "parse_axes",
+    "put",
     "replicated",
     "ring_size",
 ]
@@ -209,3 +213,79 @@ def ring_size(mesh: Mesh, redundancy: int) -> int | None:
     """
     ring = int(mesh.shape["redundancy"])
     return ring if ring >= redundancy else None
+
+
+def _spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """``(dimension, mesh axes)`` of each sharded dimension of a spec."""
+    return [
+        (dim, part if isinstance(part, tuple) else (part,))
+        for dim, part in enumerate(spec)
+        if part is not None
+    ]
+
+
+def check_param_spec(name: str, spec: Any, shape: tuple[int, ...], mesh: Mesh) -> None:
+    """A parameter's spec may use any inner axis of the mesh, once, on a dimension it divides.
+
+    Raises:
+        ValueError: naming the leaf and what is wrong with its spec.
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise ValueError(f"param_specs{name} must be a PartitionSpec, got {spec!r}")
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"param_specs{name} = {spec} has more entries than the leaf's shape {shape}"
+        )
+    inner = inner_axes(mesh)
+    seen: list[str] = []
+    for dim, axes in _spec_axes(spec):
+        for axis in axes:
+            if axis in GROUP_AXES:
+                raise ValueError(
+                    f"param_specs{name} = {spec} names the group axis {axis!r}: parameters are "
+                    f"replicated over groups; shard them over the inner axes {list(inner)}"
+                )
+            if axis not in inner:
+                raise ValueError(
+                    f"param_specs{name} = {spec} names {axis!r}, not an axis of the mesh "
+                    f"(inner axes: {list(inner)})"
+                )
+        seen += axes
+        size = int(np.prod([mesh.shape[a] for a in axes]))
+        if shape[dim] % size:
+            raise ValueError(
+                f"param_specs{name} = {spec}: dimension {dim} of size {shape[dim]} does not "
+                f"divide over {'x'.join(axes)} = {size} devices"
+            )
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"param_specs{name} = {spec} uses a mesh axis twice")
+
+
+def check_batch_axes(batch_axes: Any, mesh: Mesh) -> tuple[str, ...]:
+    """The inner axes a micro-batch's rows are split over (FSDP-style), checked."""
+    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    inner = inner_axes(mesh)
+    for axis in axes:
+        if axis in GROUP_AXES or axis not in inner:
+            raise ValueError(
+                f"batch_axes must name inner axes of the mesh {list(inner)}, got {axis!r} "
+                "(the group axes split the batch into stacks already)"
+            )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"batch_axes names an axis twice: {axes}")
+    return axes
+
+
+def put(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A fresh placed copy; host values go through a callback so each process sends its shards.
+
+    Device arrays are copied first: `device_put` reuses the source buffer for
+    one of the destination shards (even with ``may_alias=False``), and the
+    step donates its state, which would delete the caller's array.
+    """
+    if isinstance(value, jax.Array) and (
+        sharding.is_fully_addressable or not value.is_fully_addressable
+    ):
+        return jax.device_put(value.copy(), sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

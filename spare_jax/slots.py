@@ -24,10 +24,14 @@ it. `drop_and_renormalise` builds the inexact elastic baseline's table.
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 import flax.struct
 import numpy as np
 
 from spare_jax import checks, reorder, strategies
+from spare_jax import mesh as mesh_lib
 from spare_jax.placement import Placement
 
 __all__ = [
@@ -161,9 +165,72 @@ def for_speeds(placement: Placement, speeds: np.ndarray, microbatches: int) -> S
     """The slot table of the fastest exact step at these relative group speeds.
 
     `reorder.assign_by_speed`: a group of speed 0 is dead, a slow group is
-    given fewer micro-batches and walks only those (`train_step.group_gradients`).
+    given fewer micro-batches and walks only those (`step.group_gradients`).
 
     Raises:
         reorder.Interruption: some shard has no holder of speed > 0.
     """
     return from_assignment(reorder.assign_by_speed(placement, speeds, microbatches))
+
+
+class Tables:
+    """Placed slot tables by live set (and speeds), the newest `size` kept: a live set seen
+    before is new arrays from this cache, never a new program.
+
+    ``rows``: the groups of the mesh the tables are placed on (a survivors' mesh holds
+    some); ``group`` and ``rep``: the shardings of per-group rows and of scalars.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        microbatches: int,
+        policy: str,
+        rows: np.ndarray,
+        group: Any,
+        rep: Any,
+        size: int = 64,
+    ):
+        self.placement, self.microbatches, self.policy = placement, microbatches, policy
+        self.rows, self._group, self._rep, self.size = rows, group, rep, size
+        self._cache: collections.OrderedDict[bytes, tuple[Slots, int, np.ndarray]] = (
+            collections.OrderedDict()
+        )
+
+    def get(
+        self, alive: np.ndarray, speeds: np.ndarray | None, bound: int
+    ) -> tuple[Slots, int, np.ndarray, int]:
+        """The placed table of ``alive`` (and ``speeds``), its max load, each group's walked
+        slots (up to its last filled one), and the slot bound, raised to the table's width
+        for a new table that needs more slots than ``bound``.
+
+        Raises:
+            reorder.Interruption: some shard has no live holder.
+            ValueError: ``alive`` marks live a group that has no devices on this mesh.
+        """
+        key = alive.tobytes() + (b"" if speeds is None else speeds.tobytes())
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return (*self._cache[key], bound)
+        if alive[np.setdiff1d(np.arange(alive.size), self.rows)].any():
+            raise ValueError("alive marks a group live that has no devices on this mesh")
+        host = (
+            for_live_set(self.placement, alive, self.microbatches, self.policy)
+            if speeds is None
+            else for_speeds(self.placement, speeds, self.microbatches)
+        )
+        bound = max(bound, host.width)
+        padded = host.pad(bound)
+        placed = Slots(
+            index=mesh_lib.put(padded.index[self.rows], self._group),
+            weight=mesh_lib.put(padded.weight[self.rows], self._group),
+            alive=mesh_lib.put(padded.alive[self.rows], self._group),
+            denom=mesh_lib.put(padded.denom, self._rep),
+            n_slots=mesh_lib.put(padded.n_slots, self._rep),
+        )
+        filled = np.where(padded.index >= 0, np.arange(1, padded.width + 1), 0)
+        walked = filled.max(axis=1).astype(np.int32)
+        self._cache[key] = (placed, padded.max_load, walked)
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+        return placed, padded.max_load, walked, bound

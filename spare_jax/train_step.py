@@ -1,8 +1,7 @@
 """The failure-masked train step for any JAX model, and its public entry point.
 
-Owns the train state, the pure `train_step`, and `SpareStep` (built by
-`make_train_step`): the one wrapper that adds shardings, donation, the
-compiled slot bound and the one cache of slot tables.
+Owns `SpareStep` (built by `make_train_step`): the one wrapper that adds
+shardings, donation, the compiled slot bound and the one cache of slot tables.
 
 **Inputs.** A user passes the failure-free global batch (a pytree whose leaves
 have ``G * m * b`` rows; micro-batch ``(g, j)`` is rows ``[(g*m + j) b, (g*m +
@@ -12,19 +11,9 @@ mask into a `Slots` table (`slots.for_live_set`, cached per live set). The
 batch never changes with the live set; who computes what does. (A process may
 instead read only its own groups' units: `spare_jax.inputs`.)
 
-**The step.** Inside a ``jax.shard_map`` that is manual over the group axes
-``("data", "redundancy")`` and automatic over the inner axes (XLA partitions
-each group's computation from the parameters' and the stacks' shardings: FSDP,
-tensor, any layout the user names), every group walks ``n_slots`` slots. Slot
-``l`` of group ``g`` computes the gradient of local micro-batch ``index[g, l]``
-and adds ``weight[g, l]`` times it, in float32 at least (``accum_dtype``). The
-loop runs the same count on every group: a per-device ``lax.cond`` that skips
-empty slots deadlocks XLA's CPU collectives, and a less loaded group would wait
-for the busiest anyway. Each group's sum is multiplied by its live mask, one
-``psum`` over the groups adds them (`reduce_step`), the sum is divided by
-``denom = G * m`` (never the live count), cast to the parameters' dtype, and
-the optimizer is applied, replicated over the groups (`update_step`). One
-process runs both fused (`train_step`); a multi-process job runs them as two
+**The step** is `spare_jax.step`'s pure functions (each group's weighted sum
+over its slots, one masked ``psum`` across groups, the update): one process
+runs them fused (`step.train_step`); a multi-process job runs them as two
 programs (``split``) so that only the update, which crosses no group, takes
 the donated state.
 
@@ -35,12 +24,10 @@ stack size ``r * m``, no exact assignment exceeds).
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,260 +35,17 @@ import optax
 import optax.tree_utils as otu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spare_jax import checks, slots, strategies
+from spare_jax import checks, inputs, slots, strategies
 from spare_jax import mesh as mesh_lib
+from spare_jax import step as step_fns
 from spare_jax.placement import Placement
+from spare_jax.step import (  # re-exported: the step's pure parts live in spare_jax.step
+    LossFn,
+    TrainState,
+    train_step,
+)
 
 __all__ = ["LossFn", "SpareStep", "TrainState", "make_train_step", "train_step"]
-
-LossFn = Callable[[Any, Any], jax.Array]
-_CACHE_SIZE = 64
-
-
-@flax.struct.dataclass
-class TrainState:
-    """Step count, parameters and optimizer state (replicated over groups)."""
-
-    step: jax.Array
-    params: Any
-    opt_state: optax.OptState
-
-
-def accumulator(dtype: Any, accum_dtype: Any) -> np.dtype:
-    """The dtype gradients of a ``dtype`` leaf are summed in: at least ``accum_dtype``."""
-    return np.dtype(jnp.promote_types(dtype, accum_dtype))
-
-
-def group_gradients(
-    loss_fn: LossFn,
-    params: Any,
-    stacks: Any,
-    table: slots.Slots,
-    accum_dtype: Any,
-    reduce: bool = True,
-) -> tuple[Any, jax.Array]:
-    """One group's weighted gradient and loss sums, psum'd over the live groups.
-
-    Runs inside shard_map, manual over the group axes: ``stacks`` leaves are
-    ``[1, S, b, ...]`` (this group's stack; rows split over the batch's inner
-    axes by XLA), ``table.index``/``weight`` are ``[1, L]``, ``table.alive`` is
-    ``[1]``. Sums run in ``accum_dtype`` (at least), whatever the parameters' dtype.
-    """
-    grad_fn = jax.value_and_grad(loss_fn)
-    # Differentiate a per-group ("varying") copy of the replicated parameters:
-    # differentiating the replicated value itself makes JAX put the transpose's
-    # psum inside grad, summing every group's slot gradient before its weight.
-    params = jax.lax.pcast(params, mesh_lib.GROUP_AXES, to="varying")
-    local = jax.tree.map(lambda x: x[0], stacks)
-    zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), mesh_lib.GROUP_AXES, to="varying")
-    zeros = lambda p: jnp.zeros_like(p, dtype=accumulator(p.dtype, accum_dtype))
-    carry0 = (jax.tree.map(zeros, params), zero_loss)
-
-    def slot(k: jax.Array, carry: Any) -> Any:
-        i = table.index[0, k]
-        w = jnp.where(i >= 0, table.weight[0, k], 0.0)
-        pick = lambda x: jax.lax.dynamic_index_in_dim(x, jnp.maximum(i, 0), keepdims=False)
-        loss, grads = grad_fn(params, jax.tree.map(pick, local))
-        grad_acc, loss_acc = carry
-        grad_acc = jax.tree.map(
-            lambda acc, g: acc + g.astype(acc.dtype) * w.astype(acc.dtype), grad_acc, grads
-        )
-        return grad_acc, loss_acc + loss.astype(jnp.float32) * w
-
-    # This group walks its own slots only, up to its last filled one: a group given
-    # fewer micro-batches (a slower one, `reorder.assign_by_speed`) finishes sooner
-    # instead of computing empty slots at weight 0.
-    filled = jnp.max(jnp.where(table.index[0] >= 0, jnp.arange(1, table.index.shape[1] + 1), 0))
-    grads, loss = jax.lax.fori_loop(0, jnp.minimum(filled, table.n_slots), slot, carry0)
-    live = table.alive[0]
-    masked = jax.tree.map(lambda g: g * live.astype(g.dtype), (grads, loss))
-    if not reduce:  # one group: its sum is the sum (returned with a group axis of 1)
-        return jax.tree.map(lambda x: x[None], masked)
-    return jax.lax.psum(masked, mesh_lib.GROUP_AXES)
-
-
-def reduce_step(
-    state: TrainState,
-    stacks: Any,
-    table: slots.Slots,
-    *,
-    loss_fn: LossFn,
-    mesh: Mesh,
-    accum_dtype: Any = jnp.float32,
-) -> tuple[Any, jax.Array, jax.Array]:
-    """The exact gradient sum over every counted micro-batch, its loss sum and whether finite.
-
-    The part of a step that crosses groups; `update_step` is the rest. The sums
-    are in ``accum_dtype`` (at least) and not yet divided by ``G * m``.
-    """
-    group = PartitionSpec(mesh_lib.GROUP_AXES)
-    table_specs = slots.Slots(group, group, group, PartitionSpec(), PartitionSpec())
-    # XLA refuses a psum over group axes of size 1 beside automatic inner axes.
-    single = mesh_lib.num_groups(mesh) == 1
-    synced = jax.shard_map(
-        lambda p, s, t: group_gradients(loss_fn, p, s, t, accum_dtype, reduce=not single),
-        mesh=mesh,
-        in_specs=(PartitionSpec(), group, table_specs),
-        out_specs=group if single else PartitionSpec(),
-        axis_names=set(mesh_lib.GROUP_AXES),
-    )
-    grad_sum, loss_sum = synced(state.params, stacks, table)
-    if single:
-        grad_sum, loss_sum = jax.tree.map(lambda x: x[0], (grad_sum, loss_sum))
-    return grad_sum, loss_sum, jnp.isfinite(loss_sum) & jnp.isfinite(_squares(grad_sum))
-
-
-def _squares(grads: Any) -> jax.Array:
-    """The sum of every gradient element's square, in float32 (one pass over the gradients)."""
-    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-
-
-def update_step(
-    state: TrainState,
-    grad_sum: Any,
-    loss_sum: jax.Array,
-    denom: jax.Array,
-    *,
-    tx: optax.GradientTransformation,
-    grad_norm: jax.Array | None = None,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The optimizer update from a `reduce_step`'s sums: divide by ``G * m``, apply ``tx``.
-
-    No collective crosses groups here: every group updates its own replica.
-    ``grad_norm``, when the caller has it, saves a pass over the gradients.
-    """
-    grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grad_sum)
-    if grad_norm is None:
-        grad_norm = optax.tree.norm(grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    loss = loss_sum / denom
-    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-    return new, {"loss": loss, "grad_norm": grad_norm}
-
-
-def train_step(
-    state: TrainState,
-    stacks: Any,
-    table: slots.Slots,
-    *,
-    loss_fn: LossFn,
-    tx: optax.GradientTransformation,
-    mesh: Mesh,
-    accum_dtype: Any = jnp.float32,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One exact, failure-masked optimizer step (pure; `SpareStep` jits it).
-
-    Args:
-        state: the train state.
-        stacks: pytree of ``[G, S, b, ...]`` arrays, every group's stack, split over groups.
-        table: the step's slot table (``[G, L]`` arrays split over groups, scalars replicated).
-        loss_fn: ``loss_fn(params, microbatch) -> scalar``, the mean loss of one micro-batch.
-        tx: the optimizer.
-        mesh: the mesh.
-        accum_dtype: the micro-batch and cross-group sums run in this dtype at
-            least (float32: bf16 parameters still get an fp32-accumulated gradient).
-
-    Returns:
-        The new state and ``{"loss", "grad_norm", "finite"}``; the loss is the
-        mean over the counted micro-batches: the failure-free global-batch
-        loss. When the loss or the gradient is not finite the state is
-        returned unchanged and ``finite`` is False.
-    """
-    grad_sum, loss_sum, _ = reduce_step(
-        state, stacks, table, loss_fn=loss_fn, mesh=mesh, accum_dtype=accum_dtype
-    )
-    # One pass over the gradients for both the finite check and the norm.
-    norm = jnp.sqrt(_squares(grad_sum)) / table.denom
-    finite = jnp.isfinite(loss_sum) & jnp.isfinite(norm)
-
-    def apply(st: TrainState) -> tuple[TrainState, jax.Array]:
-        new, metrics = update_step(st, grad_sum, loss_sum, table.denom, tx=tx, grad_norm=norm)
-        return new, metrics["grad_norm"]
-
-    # A non-finite step keeps the state it started from, so the last good state
-    # survives to be saved (the caller sees metrics["finite"] is False). A cond, not
-    # a select over the whole state: with the state donated, one state lives.
-    keep = lambda st: (st, jnp.asarray(jnp.nan, jnp.float32))
-    new, grad_norm = jax.lax.cond(finite, apply, keep, state)
-    return new, {"loss": loss_sum / table.denom, "grad_norm": grad_norm, "finite": finite}
-
-
-def _spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
-    """``(dimension, mesh axes)`` of each sharded dimension of a spec."""
-    return [
-        (dim, part if isinstance(part, tuple) else (part,))
-        for dim, part in enumerate(spec)
-        if part is not None
-    ]
-
-
-def check_param_spec(name: str, spec: Any, shape: tuple[int, ...], mesh: Mesh) -> None:
-    """A parameter's spec may use any inner axis of the mesh, once, on a dimension it divides.
-
-    Raises:
-        ValueError: naming the leaf and what is wrong with its spec.
-    """
-    if not isinstance(spec, PartitionSpec):
-        raise ValueError(f"param_specs{name} must be a PartitionSpec, got {spec!r}")
-    if len(spec) > len(shape):
-        raise ValueError(
-            f"param_specs{name} = {spec} has more entries than the leaf's shape {shape}"
-        )
-    inner = mesh_lib.inner_axes(mesh)
-    seen: list[str] = []
-    for dim, axes in _spec_axes(spec):
-        for axis in axes:
-            if axis in mesh_lib.GROUP_AXES:
-                raise ValueError(
-                    f"param_specs{name} = {spec} names the group axis {axis!r}: parameters are "
-                    f"replicated over groups; shard them over the inner axes {list(inner)}"
-                )
-            if axis not in inner:
-                raise ValueError(
-                    f"param_specs{name} = {spec} names {axis!r}, not an axis of the mesh "
-                    f"(inner axes: {list(inner)})"
-                )
-        seen += axes
-        size = int(np.prod([mesh.shape[a] for a in axes]))
-        if shape[dim] % size:
-            raise ValueError(
-                f"param_specs{name} = {spec}: dimension {dim} of size {shape[dim]} does not "
-                f"divide over {'x'.join(axes)} = {size} devices"
-            )
-    if len(set(seen)) != len(seen):
-        raise ValueError(f"param_specs{name} = {spec} uses a mesh axis twice")
-
-
-def check_batch_axes(batch_axes: Any, mesh: Mesh) -> tuple[str, ...]:
-    """The inner axes a micro-batch's rows are split over (FSDP-style), checked."""
-    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-    inner = mesh_lib.inner_axes(mesh)
-    for axis in axes:
-        if axis in mesh_lib.GROUP_AXES or axis not in inner:
-            raise ValueError(
-                f"batch_axes must name inner axes of the mesh {list(inner)}, got {axis!r} "
-                "(the group axes split the batch into stacks already)"
-            )
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"batch_axes names an axis twice: {axes}")
-    return axes
-
-
-def _put(value: Any, sharding: NamedSharding) -> jax.Array:
-    """A fresh placed copy; host values go through a callback so each process sends its shards.
-
-    Device arrays are copied first: `device_put` reuses the source buffer for
-    one of the destination shards (even with ``may_alias=False``), and the
-    step donates its state, which would delete the caller's array.
-    """
-    if isinstance(value, jax.Array) and (
-        sharding.is_fully_addressable or not value.is_fully_addressable
-    ):
-        return jax.device_put(value.copy(), sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 class SpareStep:
@@ -340,7 +84,7 @@ class SpareStep:
     ):
         self.loss_fn, self.tx, self.mesh, self.placement = loss_fn, tx, mesh, placement
         self.donate = bool(donate)
-        self.batch_axes = check_batch_axes(batch_axes, mesh)
+        self.batch_axes = mesh_lib.check_batch_axes(batch_axes, mesh)
         self.accum_dtype = np.dtype(accum_dtype)
         self.microbatches = checks.integer("microbatches", microbatches, low=1)
         self.policy = strategies.check_policy(policy)
@@ -361,22 +105,22 @@ class SpareStep:
         self.walked = np.zeros(self.groups, np.int32)
         self.compute_s: float | None = None
         self.computed_at: float | None = None  # when they were ready (perf_counter)
-        self._walks: dict[bytes, np.ndarray] = {}
-        self._tables: collections.OrderedDict[bytes, tuple[slots.Slots, int]] = (
-            collections.OrderedDict()
-        )
         self._checked: set[Any] = set()
         self._group = mesh_lib.group_sharding(mesh)
         self._rep = mesh_lib.replicated(mesh)
+        self._tables = slots.Tables(
+            placement, self.microbatches, self.policy, self.rows, self._group, self._rep
+        )
         rows_spec = self.batch_axes if self.batch_axes else None
         self.stack_sharding = NamedSharding(
             mesh, PartitionSpec(mesh_lib.GROUP_AXES, None, rows_spec)
         )
+        units = placement.shards * placement.shard_units * self.microbatches
+        self._stacks = inputs.GlobalStacks(units, self._unit_ids, self.stack_sharding)
         self.split = bool(split) or domain is not None
         self.domain = domain  # a `domains.Split`: the step split by failure domain
         self._jitted: dict[int, dict[str, Callable[..., Any]]] = {}  # programs by slot bound
         self._aot: dict[int, dict[str, Any]] = {}  # ahead-of-time executables by slot bound
-        self._gathers: dict[int, Callable[..., Any]] = {}  # device-batch layout, by rows
 
     # ------------------------------------------------------------------ state
 
@@ -393,7 +137,7 @@ class SpareStep:
             jax.tree.leaves(params),
             strict=True,
         ):
-            check_param_spec(jax.tree_util.keystr(path), spec, np.shape(leaf), self.mesh)
+            mesh_lib.check_param_spec(jax.tree_util.keystr(path), spec, np.shape(leaf), self.mesh)
         param_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
         opt_shape = jax.eval_shape(self.tx.init, params)
         opt_sh = otu.tree_map_params(
@@ -414,9 +158,9 @@ class SpareStep:
     def init(self, params: Any) -> TrainState:
         """A fresh state: ``params`` (any pytree of arrays) placed, optimizer state initialised."""
         shardings = self.state_shardings(params)
-        placed = jax.tree.map(_put, params, shardings.params)
-        opt_state = jax.tree.map(_put, self.tx.init(placed), shardings.opt_state)
-        step = _put(np.zeros((), np.int32), self._rep)
+        placed = jax.tree.map(mesh_lib.put, params, shardings.params)
+        opt_state = jax.tree.map(mesh_lib.put, self.tx.init(placed), shardings.opt_state)
+        step = mesh_lib.put(np.zeros((), np.int32), self._rep)
         return TrainState(step=step, params=placed, opt_state=opt_state)
 
     @staticmethod
@@ -446,78 +190,14 @@ class SpareStep:
             if np.shape(speeds) != (self.groups,):
                 raise ValueError(f"speeds must have shape ({self.groups},), got {np.shape(speeds)}")
             speeds = np.where(alive, np.asarray(speeds, np.float64), 0.0)
-        key = alive.tobytes() + (b"" if speeds is None else speeds.tobytes())
-        if key in self._tables:
-            self._tables.move_to_end(key)
-            self.walked = self._walks[key]
-            return self._tables[key]
-        if alive[np.setdiff1d(np.arange(self.groups), self.rows)].any():
-            raise ValueError("alive marks a group live that has no devices on this mesh")
-        host = (
-            slots.for_live_set(self.placement, alive, self.microbatches, self.policy)
-            if speeds is None
-            else slots.for_speeds(self.placement, speeds, self.microbatches)
+        placed, load, self.walked, self.slot_bound = self._tables.get(
+            alive, speeds, self.slot_bound
         )
-        self.slot_bound = max(self.slot_bound, host.width)
-        host = host.pad(self.slot_bound)
-        placed = slots.Slots(
-            index=_put(host.index[self.rows], self._group),
-            weight=_put(host.weight[self.rows], self._group),
-            alive=_put(host.alive[self.rows], self._group),
-            denom=_put(host.denom, self._rep),
-            n_slots=_put(host.n_slots, self._rep),
-        )
-        self._tables[key] = (placed, host.max_load)
-        filled = np.where(host.index >= 0, np.arange(1, host.width + 1), 0)
-        self.walked = self._walks[key] = filled.max(axis=1).astype(np.int32)
-        if len(self._tables) > _CACHE_SIZE:
-            self._walks.pop(self._tables.popitem(last=False)[0])
-        return self._tables[key]
-
-    def _rows_per_unit(self, batch: Any) -> int:
-        """b, the rows of one micro-batch, after checking the batch's shape."""
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError("batch must hold at least one array")
-        sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
-        if len(sizes) != 1 or -1 in sizes:
-            raise ValueError(f"batch leaves must share one leading (row) axis, got sizes {sizes}")
-        (n,) = sizes
-        units = self.placement.shards * self.placement.shard_units * self.microbatches
-        if n < units or n % units:
-            raise ValueError(
-                f"batch must have G*m*b rows (a positive multiple of G*m = {units}), got {n}"
-            )
-        return n // units
+        return placed, load
 
     def stacks(self, batch: Any) -> Any:
         """The global batch laid out as every mesh group's stack, placed on the group axis."""
-        rows = self._rows_per_unit(batch)
-        ids = self._unit_ids
-
-        def stack(x: Any) -> jax.Array:
-            rest = tuple(np.shape(x)[1:])
-            shape = (ids.shape[0], ids.shape[1], rows, *rest)
-            if isinstance(x, jax.Array):
-                return self._gather(x, rows)
-            host = np.asarray(x).reshape(-1, rows, *rest)
-            return jax.make_array_from_callback(
-                shape,
-                self.stack_sharding,
-                lambda index: host[ids[index[0]]][(slice(None), *index[1:])],
-            )
-
-        return jax.tree.map(stack, batch)
-
-    def _gather(self, x: jax.Array, rows: int) -> jax.Array:
-        """A device batch laid out as stacks on device (one compiled gather per row count)."""
-        if rows not in self._gathers:
-            ids = self._unit_ids
-            self._gathers[rows] = jax.jit(
-                lambda v: v.reshape(-1, rows, *v.shape[1:])[ids],
-                out_shardings=self.stack_sharding,
-            )
-        return self._gathers[rows](x)
+        return self._stacks(batch)
 
     def _check_loss(self, state: TrainState, stacks: Any) -> None:
         key = jax.tree.structure(stacks), tuple((x.shape, x.dtype) for x in jax.tree.leaves(stacks))
@@ -544,18 +224,18 @@ class SpareStep:
 
         def fused(state: TrainState, stacks: Any, table: slots.Slots) -> Any:
             self.compiles += 1  # runs only while tracing: once per compilation
-            return train_step(state, stacks, table, tx=self.tx, **kw)
+            return step_fns.train_step(state, stacks, table, tx=self.tx, **kw)
 
         def reduce(state: TrainState, stacks: Any, table: slots.Slots) -> Any:
             self.compiles += 1
-            return reduce_step(state, stacks, table, **kw)
+            return step_fns.reduce_step(state, stacks, table, **kw)
 
         programs = {  # jit compiles on first call: only the programs used are built
             "step": jax.jit(fused, out_shardings=(state_sh, self._rep), donate_argnums=donate),
             # The gradient sum laid out as the parameters (sharded over FSDP axes, not whole).
             "reduce": jax.jit(reduce, out_shardings=(state_sh.params, self._rep, self._rep)),
             "update": jax.jit(
-                lambda st, g, l, d: update_step(st, g, l, d, tx=self.tx),
+                lambda st, g, l, d: step_fns.update_step(st, g, l, d, tx=self.tx),
                 out_shardings=(state_sh, self._rep),
                 donate_argnums=donate,
             ),

@@ -193,7 +193,7 @@ def test_stacks_hold_each_groups_shards_once_per_holder():
     device = step.stacks(jnp.asarray(batch))  # a device batch is gathered on device
     np.testing.assert_array_equal(jax.device_get(device), stacks)
     step.stacks(jnp.asarray(_batch(step, 4)))  # ... by one compiled gather, not one per call
-    (gather,) = step._gathers.values()
+    (gather,) = step._stacks._gathers.values()
     assert gather._cache_size() == 1
 
 
