@@ -19,6 +19,13 @@ multiple of 60, so K = 2-6 all split). In both, only the writer reads the
 checkpoint on a resume; its group sends the state to the others over the
 devices (`spare_jax.broadcast`).
 
+A third job resumes from step 5 and is sent a preemption notice (SIGTERM to
+the launcher) once step 7 is on record: every worker saves the step reached
+and exits. Its ``preempted`` event's ``save_s`` (the notice's save) and the
+seconds from the notice to the launcher's exit are printed, with the state
+that would fit in a ``--notice_s`` notice at that save rate (linear in the
+bytes, the exit's fixed part taken off; on this machine's one disk).
+
 Printed per K and layout, each process's figures as a multiple of the state:
 the bytes of the step-2 checkpoint on disk by the process that wrote them
 (Orbax keeps each process's under ``ocdbt.process_<p>``), the first job's
@@ -45,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -53,13 +61,14 @@ from absl import app, flags
 from jobs import peak_bytes  # benchmarks/jobs.py: this script's directory is on sys.path
 
 import spare_jax
-from spare_jax import cli
+from spare_jax import cli, errors
 from spare_jax.runlog import read_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLS = 1024
 ROWS_MULTIPLE = 60  # the rows split evenly over 2-6 processes (Orbax's replica-parallel rule)
 READ = "restore_bench: io "
+PREEMPTED = errors.EXIT_PREEMPTED  # the launcher's status after a preemption notice
 
 _SIZE = flags.DEFINE_integer(
     "size_mb", 256, "State size (MB of float32 parameters).", lower_bound=1
@@ -76,6 +85,15 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "Internal: the worker's work direc
 _STEPS = flags.DEFINE_integer("steps", 2, "Internal: the worker's steps.", lower_bound=1)
 _K = flags.DEFINE_integer("k", 2, "Internal: the worker's process count.", lower_bound=2)
 _SHARDED = flags.DEFINE_bool("sharded", False, "Internal: the worker's layout.")
+_EVERY = flags.DEFINE_integer(
+    "every", 2, "Internal: the worker's checkpoint interval.", lower_bound=1
+)
+_NOTICE_S = flags.DEFINE_float(
+    "notice_s",
+    60.0,
+    "The preemption notice the fits column is worked out for (the launcher's --preempt_s default).",
+    lower_bound=1.0,
+)
 
 
 def _loss(params, batch):
@@ -116,15 +134,22 @@ def _worker() -> None:
             batches,
             steps=_STEPS.value,
             workdir=_WORKDIR.value,
-            checkpoint_steps=2,  # the save measured: step 2, between two steps
+            checkpoint_steps=_EVERY.value,  # 2: the save measured is step 2's, between two steps
             sharded_checkpoints=_SHARDED.value,
         )
     finally:
         print(f"{READ}{json.dumps(_io())}", flush=True)
 
 
-def _job(workdir: str, k: int, steps: int, sharded: bool) -> dict[int, dict[str, int]]:
-    """Run one job to its end; each worker's `_io` figures (by process)."""
+def _job(
+    workdir: str, k: int, steps: int, sharded: bool, preempt_at: int | None = None
+) -> dict[int, dict[str, int]]:
+    """Run one job to its end; each worker's `_io` figures (by process).
+
+    ``preempt_at``: send the launcher a preemption notice (SIGTERM) once a step
+    past this one is on record; the figures then hold ``notice_s``, the
+    seconds from the notice to the launcher's exit.
+    """
     launch_dir = os.path.join(workdir, f"launch-{steps}")
     command = [
         sys.executable,
@@ -145,18 +170,31 @@ def _job(workdir: str, k: int, steps: int, sharded: bool) -> dict[int, dict[str,
         f"--steps={steps}",
         f"--k={k}",
         f"--sharded={sharded}",
+        f"--every={2 if preempt_at is None else steps}",
     ]
     log = os.path.join(workdir, f"launcher-{steps}.log")
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(
             command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+        started, notice = time.monotonic(), None
         try:
+            while preempt_at is not None and notice is None:
+                if proc.poll() is not None or time.monotonic() - started > _TIMEOUT.value:
+                    break
+                if _reached(workdir) > preempt_at:
+                    proc.send_signal(signal.SIGTERM)
+                    notice = time.monotonic()
+                time.sleep(0.05)
             code = proc.wait(timeout=_TIMEOUT.value)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers (JAX keeps SIGTERM)
             proc.wait()
             raise RuntimeError(f"the job of {k} processes took over {_TIMEOUT.value} s") from None
+    if notice is not None and code == PREEMPTED:
+        code, took = 0, time.monotonic() - notice
+    elif preempt_at is not None:
+        code = code or 1  # it ended before the notice, or did not stop as preempted
     if code != 0:
         tail = pathlib.Path(log).read_text(errors="replace").strip()[-400:]
         raise RuntimeError(f"the job of {k} processes ({steps} steps) exited {code}:\n{tail}")
@@ -165,7 +203,18 @@ def _job(workdir: str, k: int, steps: int, sharded: bool) -> dict[int, dict[str,
         found = re.findall(rf"{READ}(.+)", path.read_text(errors="replace"))
         if found:
             figures[int(path.stem.split("-")[1])] = json.loads(found[-1])
+    if notice is not None:
+        figures[-1] = {"notice_s": took}
     return figures
+
+
+def _reached(workdir: str) -> int:
+    """The last step on record in the job's metrics (-1: none)."""
+    try:
+        records = read_records(os.path.join(workdir, "metrics.jsonl"))
+    except (OSError, ValueError):
+        return -1
+    return max((r["step"] for r in records if "loss" in r), default=-1)
 
 
 def _size(path: pathlib.Path) -> int:
@@ -189,8 +238,12 @@ def _pair(workdir: str, k: int, sharded: bool) -> dict:
     fresh = _job(workdir, k, 3, sharded)
     written = _written(pathlib.Path(workdir) / "checkpoints" / "2" / "state", k)
     resumed = _job(workdir, k, 5, sharded)
+    # A third job resumes from step 5 and is preempted after step 7: the forced save of
+    # the step reached, then every worker's exit.
+    preempted = _job(workdir, k, 10**6, sharded, preempt_at=7)
     records = read_records(os.path.join(workdir, "metrics.jsonl"))
-    (event,) = [r for r in records if r.get("event") == "resume"]
+    (event,) = [r for r in records if r.get("event") == "resume" and r["step"] == 3]
+    (notice,) = [r for r in records if r.get("event") == "preempted"]
     saved = [r for r in records if r.get("event") == "checkpoint" and r["step"] == 2]
     state = _rows() * COLS * 4
 
@@ -206,6 +259,8 @@ def _pair(workdir: str, k: int, sharded: bool) -> dict:
         "peak_rss_over_state": over(fresh, "hwm"),
         "restore_s": event["restore_s"],
         "read_over_state": over(resumed, "rchar", fresh),
+        "preempt_save_s": notice["save_s"],
+        "notice_s": preempted[-1]["notice_s"],
     }
 
 
@@ -226,8 +281,13 @@ def main(argv: list[str]) -> None:
     print(f"state {state / 1e6:.0f} MB; medians of {_REPEATS.value} pair(s) of jobs per K")
     print("per process, as multiples of the state: written, the saving job's peak RSS, read")
     print(
+        f"a preemption notice: its save, the notice to the launcher's exit, and the state "
+        f"saved in a {_NOTICE_S.value:.0f} s notice at this save rate (fits)"
+    )
+    print(
         f"{'K':>3} {'layout':>8} {'save s':>7} {'written':>18} "
-        f"{'peak RSS':>18} {'restore s':>9} {'read':>18}"
+        f"{'peak RSS':>18} {'restore s':>9} {'read':>18} {'notice save':>11} {'to exit':>7} "
+        f"{'fits GB':>7}"
     )
     results = []
     for k in counts:
@@ -252,7 +312,13 @@ def main(argv: list[str]) -> None:
                 "peak_rss_over_state": median("peak_rss_over_state"),
                 "restore_s": round(statistics.median(p["restore_s"] for p in pairs), 4),
                 "read_over_state": median("read_over_state"),
+                "preempt_save_s": round(statistics.median(p["preempt_save_s"] for p in pairs), 4),
+                "notice_s": round(statistics.median(p["notice_s"] for p in pairs), 4),
             }
+            # Linear in the bytes: the exit's fixed part, then the save at its measured rate.
+            spare = _NOTICE_S.value - (figures["notice_s"] - figures["preempt_save_s"])
+            rate = state / max(figures["preempt_save_s"], 1e-9)
+            figures["fits_gb"] = round(max(spare, 0.0) * rate / 1e9, 1)
             figures["written_over_state_total"] = round(
                 sum(figures["written_over_state"].values()), 2
             )
@@ -265,7 +331,9 @@ def main(argv: list[str]) -> None:
             print(
                 f"{k:>3} {layout:>8} {figures['save_s']:7.2f} {shown('written_over_state'):>18} "
                 f"{shown('peak_rss_over_state'):>18} {figures['restore_s']:9.2f} "
-                f"{shown('read_over_state'):>18}",
+                f"{shown('read_over_state'):>18} "
+                f"{figures['preempt_save_s']:11.2f} {figures['notice_s']:7.2f} "
+                f"{figures['fits_gb']:7.1f}",
                 flush=True,
             )
     for figures in results:

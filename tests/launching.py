@@ -352,6 +352,26 @@ def kill_in_a_save(job: Job, workdir: pathlib.Path, victim: int, after: int) -> 
     return max(int(s) for s in saving.findall(said(0)))
 
 
+def killed_inside_a_save(
+    start, tmp_path: pathlib.Path, victim: int, timeout: float = 300.0
+) -> tuple[pathlib.Path, Job, int]:
+    """Start a job with ``start(workdir)``, SIGKILL ``victim`` in a save of step 10 or later
+    (`kill_in_a_save`) and let the job end; again (three runs at most) while the kill missed
+    the save (the survivors did not say they dropped it). The run's workdir, job and step."""
+    for attempt in range(3):
+        workdir = tmp_path / f"run{attempt}"
+        job = start(workdir)
+        try:
+            step = kill_in_a_save(job, workdir, victim=victim, after=10)
+            code = job.finish(timeout=timeout)
+        finally:
+            job.close()
+        assert code == 0, job.output()[-3000:]
+        if f"the save of step {step} was dropped" in job.output():
+            return workdir, job, step
+    raise AssertionError("three kills in a row fell outside the save they were aimed at")
+
+
 def no_process_left(workdir: pathlib.Path) -> None:
     deadline = time.monotonic() + 30
     while any_process_of(workdir) and time.monotonic() < deadline:

@@ -259,7 +259,8 @@ def test_restore_benchmark_reads_the_checkpoint_once_per_job(tmp_path):
     """2 and 3 processes save and resume a 16 MB state in both layouts: a replica is
     written by the writer alone, sharded checkpoints by every process about 1/K each
     (Orbax compresses a little); either is read once, by the writer, and the others
-    read nothing (the state reaches them over the devices), whatever the process count."""
+    read nothing (the state reaches them over the devices), whatever the process count. A
+    third job, preempted, saves the step it reached and exits within the notice."""
     result = _run("restore.py", "--size_mb=16", "--processes=2,3", f"--out={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "restore.json").read_text().splitlines()]
@@ -283,3 +284,6 @@ def test_restore_benchmark_reads_the_checkpoint_once_per_job(tmp_path):
         else:  # each process its part; the writer also the small merged index
             assert all(0.6 / k <= written[p] <= 1.1 / k for p in written), r
             assert 0.8 <= r["written_over_state_total"] <= 1.05, r
+        # The preemption notice: its save, then every worker's exit, within the notice.
+        assert 0 < r["preempt_save_s"] < r["notice_s"] < 60, r
+        assert r["fits_gb"] > 0, r

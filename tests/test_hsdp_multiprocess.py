@@ -156,20 +156,12 @@ def test_a_process_killed_inside_a_spanning_save_masks_its_group_without_a_relau
     group-mate that left is not waited for, and the save's wait extends the grace). A kill
     that misses the save runs the job again, up to three times."""
     processes, devices, mesh, groups, _parts, victim, mate = CASES["4x2_fsdp_tensor"]
-    for attempt in range(3):
-        workdir = tmp_path / f"run{attempt}"
-        command = _launcher(workdir, processes, devices, mesh, STEPS, 5, "--grace_s=5")
-        job = lj.Job(command, workdir, env)
-        try:
-            step = lj.kill_in_a_save(job, workdir, victim=victim, after=10)
-            code = job.finish(timeout=400)
-        finally:
-            job.close()
-        assert code == 0, job.output()[-3000:]
-        if f"the save of step {step} was dropped" in job.output():
-            break
-    else:
-        pytest.fail("three kills in a row fell outside the save they were aimed at")
+    workdir, job, _ = lj.killed_inside_a_save(
+        lambda w: lj.Job(_launcher(w, processes, devices, mesh, STEPS, 5, "--grace_s=5"), w, env),
+        tmp_path,
+        victim=victim,
+        timeout=400,
+    )
     if lj.gloo_aborted(workdir):  # CPU only (docs/multihost.md, "neighbour aborts")
         assert lj.events(workdir, "relaunch")
         lj.assert_params(workdir, reference(groups), range(processes))
