@@ -191,7 +191,8 @@ class Checkpointer:
         local_dirs = self.process_local or self.group is not None
         # A process lost in a sharded save holds the others at its barriers for this long.
         if self.group is not None:
-            self.wait_s = layouts.save_wait_s(self._shards, self._replicas)
+            cap = layouts.replica_split(self._shards, self._replicas)
+            self.wait_s = layouts.save_wait_s(self._shards, self._replicas, cap)
             runlog.emit("save_barriers", wait_s=round(self.wait_s, 3))  # the launcher allows it
         waits = {"timeout_secs": math.ceil(self.wait_s)} if self.group is not None else {}
         options = ocp.CheckpointManagerOptions(
@@ -216,7 +217,6 @@ class Checkpointer:
         elif self.group is None:
             state = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
         else:
-            cap = layouts.replica_split(self._shards, self._replicas)
             state = layouts.sharded_handler(multiprocessing, self.group[0], cap)
         handlers = {
             "state": state,

@@ -205,23 +205,6 @@ class ReplicaRestore(ocp.args.CheckpointArgs):
     target: Any
 
 
-def _splitting(
-    shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per array and candidate count ``c`` (2 to the most replicas): the replicas its writing
-    splits over, ``min(replicas, c)``, and whether it splits at all (an axis of its shard
-    divisible by that, or one replica: its holder writes it). Also each array's bytes."""
-    nbytes = np.array([n for _, n, _ in shards], np.float64)
-    replicas = np.array([groups * m for _, _, m in shards], np.int64)
-    counts = np.arange(2, max(int(replicas.max()), 1) + 1)
-    k = np.minimum(replicas[:, None], counts[None, :])  # [array, count]
-    splits = k == 1
-    for axis in range(max(len(shape) for shape, _, _ in shards)):
-        dims = np.array([shape[axis] if axis < len(shape) else -1 for shape, _, _ in shards])
-        splits |= (dims[:, None] % k == 0) & (dims[:, None] > 0)
-    return counts, k, splits, nbytes
-
-
 def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int) -> int:
     """The most replicas a sharded save splits each array's writing over: most bytes split.
 
@@ -238,14 +221,31 @@ def replica_split(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: in
     """
     if not shards:
         return 1
-    counts, _, splits, nbytes = _splitting(shards, groups)
-    if counts.size == 0 or nbytes.sum() == 0:
+    nbytes = np.array([n for _, n, _ in shards], np.float64)
+    replicas = np.array([groups * m for _, _, m in shards], np.int64)
+    top = int(replicas.max())
+    if top <= 1 or nbytes.sum() == 0:
         return 1
-    good = nbytes @ splits >= SPLIT_SHARE * nbytes.sum()
+    counts = np.arange(2, top + 1)
+    k = np.minimum(replicas[:, None], counts[None, :])  # [array, count]: replicas it splits over
+    good = nbytes @ _splits(shards, k) >= SPLIT_SHARE * nbytes.sum()
     return int(counts[good].max()) if good.any() else 1
 
 
-def save_wait_s(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int) -> float:
+def _splits(shards: Sequence[tuple[tuple[int, ...], int, int]], k: np.ndarray) -> np.ndarray:
+    """Whether each array's writing splits over ``k`` replicas (its row of ``k``; any
+    trailing axes): ``k`` divides an axis of its shard, or ``k`` is 1."""
+    splits = k == 1
+    shape = (-1,) + (1,) * (k.ndim - 1)
+    for axis in range(max(len(s) for s, _, _ in shards)):
+        dims = np.array([s[axis] if axis < len(s) else -1 for s, _, _ in shards]).reshape(shape)
+        splits |= (dims % k == 0) & (dims > 0)
+    return splits
+
+
+def save_wait_s(
+    shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int, cap: int | None = None
+) -> float:
     """How long a sharded save's barriers wait for a process: `SAVE_WAIT_BASE_S` plus the
     most one process may write (bounded as if it held every distinct shard of an array)
     at `SAVE_WAIT_RATE` bytes a second.
@@ -253,16 +253,14 @@ def save_wait_s(shards: Sequence[tuple[tuple[int, ...], int, int]], groups: int)
     The coordination service does not fail a barrier whose participant died,
     so this bounds what a death in the middle of a save costs the survivors
     (`spare_jax.saving`), and it grows with the bytes so that a healthy slow
-    write is not taken for one.
+    write is not taken for one. ``cap``: the save's `replica_split`, when known.
     """
     if not shards:
         return SAVE_WAIT_BASE_S
-    cap = replica_split(shards, groups)
-    counts, k, splits, nbytes = _splitting(shards, groups)
-    if counts.size == 0:
-        return SAVE_WAIT_BASE_S + float(nbytes.sum()) / SAVE_WAIT_RATE
-    col = cap - 2 if cap >= 2 else 0
-    over = np.where(splits[:, col], k[:, col], 1) if cap >= 2 else np.ones(len(shards))
+    cap = replica_split(shards, groups) if cap is None else cap
+    nbytes = np.array([n for _, n, _ in shards], np.float64)
+    k = np.minimum(np.array([groups * m for _, _, m in shards], np.int64), cap)
+    over = np.where(_splits(shards, k), k, 1)
     return SAVE_WAIT_BASE_S + float((nbytes / over).sum()) / SAVE_WAIT_RATE
 
 

@@ -190,7 +190,16 @@ def test_a_process_sigkilled_from_outside_resumes_when_rerun(tmp_path, tmp_path_
     lj.steps_of_last_attempt_are_contiguous(tmp_path, 40)
 
 
-def test_balance_in_one_process_says_it_is_off_and_trains_exactly(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ("balance", "balance=True is off in a one-process job"),
+        ("sharded_checkpoints", "sharded_checkpoints=True changes nothing in a one-process job"),
+    ],
+)
+def test_a_multi_process_option_in_one_process_says_so_and_trains_exactly(
+    tmp_path, capsys, option, said
+):
     steps = 3
     result = spare_jax.fit(
         _step(),
@@ -198,24 +207,9 @@ def test_balance_in_one_process_says_it_is_off_and_trains_exactly(tmp_path, caps
         regression.batches,
         steps=steps,
         workdir=str(tmp_path),
-        balance=True,
+        **{option: True},
     )
     err = capsys.readouterr().err
-    assert "balance=True is off in a one-process job" in err, err[-2000:]
+    assert said in err, err[-2000:]
     assert not lj.events(tmp_path, "straggler")
-    _same(result.params, lj.reference_params(steps))
-
-
-def test_sharded_checkpoints_in_one_process_say_so_and_train_exactly(tmp_path, capsys):
-    steps = 3
-    result = spare_jax.fit(
-        _step(),
-        regression.init_params(),
-        regression.batches,
-        steps=steps,
-        workdir=str(tmp_path),
-        sharded_checkpoints=True,
-    )
-    err = capsys.readouterr().err
-    assert "sharded_checkpoints=True changes nothing in a one-process job" in err, err[-2000:]
     _same(result.params, lj.reference_params(steps))
