@@ -22,22 +22,20 @@ process 0 commits directories that hold no data.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
-import json
 import logging
 import math
 import os
 import shutil
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 
 from spare_jax import checks, digest, errors, jax_internals, layouts, multihost, runlog
 from spare_jax.digest import param_checksum  # also here: the record's checksum
@@ -45,7 +43,6 @@ from spare_jax.interval import Interval, IntervalModel  # also here: Checkpointe
 from spare_jax.layouts import (
     KeepIntact,
     ReplicaHandler,
-    ReplicaRestore,
     ReplicaSave,
     missing_files,
     replica_split,
@@ -110,20 +107,6 @@ class Restored:
     restore_s: float
 
 
-def _bounded(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a `Checkpointer` method that may wait at Orbax's barriers with the others with
-    those barriers timing out after `Checkpointer.wait_s` (sharded checkpoints)."""
-
-    @functools.wraps(method)
-    def run(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
-        if self.group is None:
-            return method(self, *args, **kwargs)
-        with jax_internals.orbax_barrier_timeout(math.ceil(self.wait_s)):
-            return method(self, *args, **kwargs)
-
-    return run
-
-
 class Checkpointer:
     """Async Orbax checkpoints of the train state and its JSON record under ``directory``."""
 
@@ -156,6 +139,9 @@ class Checkpointer:
         self._unreported: list[Saved] = []
         self.last_save_s: float | None = None
         self.wait_s = layouts.SAVE_WAIT_BASE_S  # sharded saves: their barriers' timeout
+        # Sharded saves: Orbax's barriers time out after `wait_s` while the manager is
+        # open, in the background write too (`jax_internals.orbax_barrier_timeout`).
+        self._barriers = contextlib.ExitStack()
         self._manager = self._open(writer)
 
     def _open(self, writer: bool) -> ocp.CheckpointManager | None:
@@ -186,6 +172,7 @@ class Checkpointer:
             multiprocessing = ocp.options.MultiprocessingOptions()
         self.writer = writer
         self._multiprocessing = multiprocessing
+        self._whole: dict[int, bool] = {}  # `_counted`
         if not writer and self.process_local:
             return None
         local_dirs = self.process_local or self.group is not None
@@ -194,6 +181,9 @@ class Checkpointer:
             cap = layouts.replica_split(self._shards, self._replicas)
             self.wait_s = layouts.save_wait_s(self._shards, self._replicas, cap)
             runlog.emit("save_barriers", wait_s=round(self.wait_s, 3))  # the launcher allows it
+            self._barriers.enter_context(
+                jax_internals.orbax_barrier_timeout(math.ceil(self.wait_s))
+            )
         waits = {"timeout_secs": math.ceil(self.wait_s)} if self.group is not None else {}
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=self.policy,
@@ -229,14 +219,15 @@ class Checkpointer:
         writer = self.writer if writer is None else writer
         return writer and (self.group is None or self.group[0] == jax.process_index())
 
-    @_bounded
     def regroup(self, primary: int, active: set[int], when: str, replicas: int = 1) -> None:
         """The live processes changed: save with these from now on, in a new barrier scope.
 
         The scope is named by ``when`` (the same on every one of them, e.g. the
         attempt and step) and the set itself, so that a process that joins the
-        job later names it as the others do. ``replicas``: the live groups.
+        job later names it as the others do. ``replicas``: the live groups. A save
+        still in flight finishes first, or is dropped if a process was lost in it.
         """
+        self._settle()
         self.close()
         self._replicas = int(replicas)
         self.group, self.process_local = (int(primary), frozenset(active)), False
@@ -253,7 +244,6 @@ class Checkpointer:
         """Steps on disk, oldest first (a process that does not write sees none)."""
         return [] if self._manager is None else list(self._manager.all_steps())
 
-    @_bounded
     def save(
         self,
         step: int,
@@ -311,11 +301,18 @@ class Checkpointer:
         self._pending = (step, start, stall)
         return stall
 
+    def in_flight(self) -> bool:
+        """Whether a save started and has not been reported complete (or dropped) yet."""
+        return self._pending is not None
+
+    def writing(self) -> bool:
+        """Whether this process's part of the save in flight is still being written."""
+        return self._pending is not None and self._manager.is_saving_in_progress()
+
     def due(self, step: int) -> bool:
         """Whether Orbax's policy would save ``step`` (ask before building what to save)."""
         return self._manager is not None and self.writer and self._manager.should_save(step)
 
-    @_bounded
     def poll(self) -> list[Saved]:
         """The saves completed with all their files since last asked (each reported once).
 
@@ -327,7 +324,6 @@ class Checkpointer:
         done, self._unreported = self._unreported, []
         return done
 
-    @_bounded
     def wait(self) -> list[Saved]:
         """Block until the save in flight has completed; report as `poll` does."""
         self._settle()
@@ -352,6 +348,11 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - Orbax re-raises whatever the writer hit
+            if self.group is not None and layouts.barrier_timed_out(err) and not self._disk_full():
+                # A process lost in the save never reached its barriers: the step's
+                # live-set check takes the loss; this save is dropped on every survivor.
+                runlog.notice(f"the save of step {step} was dropped: a process was lost in it")
+                return None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
             raise self._storage_error(step, f"{type(err).__name__}: {reason}") from None
         self.last_save_s = time.perf_counter() - start
@@ -359,7 +360,8 @@ class Checkpointer:
         if why is not None:
             raise self._storage_error(step, why)
         # Orbax kept the older ones while this save was unconfirmed: now it is.
-        intact = [s for s in self.steps() if self._intact(s)]
+        self._whole[step] = True
+        intact = [s for s in self.steps() if self._counted(s)]
         for old in intact[: -self.keep]:
             self._manager.delete(old)
         return Saved(step, stall, self.last_save_s)
@@ -377,6 +379,19 @@ class Checkpointer:
             else 1 << 20
         )
         return free < max(need, 1 << 16)
+
+    def _counted(self, step: int) -> bool:
+        """Whether ``step`` counts among the ``keep`` checkpoints kept.
+
+        Sharded saves: as first seen by this manager. Every live process decides
+        which to let go (Orbax's delete has a barrier), while the primary may be
+        deleting one already: a fresh look at the disk would differ between them.
+        """
+        if self.group is None:
+            return self._intact(step)
+        if step not in self._whole:
+            self._whole[step] = self._intact(step)
+        return self._whole[step]
 
     def _intact(self, step: int) -> bool:
         return missing_files(os.path.join(self.directory, str(step))) is None
@@ -410,36 +425,6 @@ class Checkpointer:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.replace(source, target)
 
-    def _read(
-        self, step: int, abstract_state: Any, host_target: Any, local: bool
-    ) -> tuple[Any, dict, bool]:
-        """The state and record of committed checkpoint ``step``, in whichever layout it is.
-
-        Read with the item handlers directly (not the manager's, which are this
-        process's layout): a checkpoint written by a multi-process job resumes
-        in a lone process and the other way round. ``local``: this process reads
-        it alone, onto its host, waiting on no other. The flag returned says the
-        state is on the host (to be placed).
-        """
-        path = os.path.join(self.directory, str(step))
-        with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
-            meta = json.load(f)
-        state_dir = epath.Path(path) / "state"
-        if (state_dir / layouts.REPLICA_FILE).exists():
-            return ReplicaHandler().restore(state_dir, ReplicaRestore(host_target)), meta, True
-        me = jax.process_index()
-        alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-        handler = ocp.StandardCheckpointHandler(
-            multiprocessing_options=alone if local else self._multiprocessing
-        )
-        try:
-            target = host_target if local else abstract_state
-            state = handler.restore(state_dir, args=ocp.args.StandardRestore(target))
-        finally:
-            handler.close()
-        return state, meta, local
-
-    @_bounded
     def restore_latest(self, abstract_state: Any, *, place: bool = True) -> Restored | None:
         """The newest checkpoint that restores and checks out; None when there is none at all.
 
@@ -466,7 +451,12 @@ class Checkpointer:
             start = time.perf_counter()
             try:
                 local = self.process_local or not place
-                state, meta, host = self._read(step, abstract_state, host_target, local)
+                state, meta, host = layouts.read_step(
+                    os.path.join(self.directory, str(step)),
+                    abstract_state,
+                    host_target,
+                    None if local else self._multiprocessing,
+                )
                 if "state_digest" in meta:  # every bit of every array: the stronger check
                     digest.check_digest(state, meta["state_digest"])
                 else:
@@ -490,7 +480,17 @@ class Checkpointer:
             )
         return None
 
-    @_bounded
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.close()
+        try:
+            if self._manager is not None:
+                try:
+                    self._manager.close()
+                except Exception as err:
+                    if self.group is None or not layouts.barrier_timed_out(err):
+                        raise
+                    # The background write of a save that a lost process had a part in
+                    # (dropped already): Orbax raises its error once; closing again ends.
+                    log.info("closing past a dropped save: %s", " ".join(str(err).split()))
+                    self._manager.close()
+        finally:
+            self._barriers.close()

@@ -241,10 +241,10 @@ def fit(
             ``straggler`` event says so; `spare_jax.balancing`). Off by default.
         sharded_checkpoints: multi-process with whole groups per process: every
             live process writes its part of each checkpoint from its devices
-            (Orbax, replica-parallel: about 1/G of the state each), saving
-            between steps, instead of one writer copying its whole replica to
-            its host and writing it in the background (docs/checkpointing.md,
-            "Who writes"). Groups spanning processes always save this way.
+            (Orbax, replica-parallel: about 1/G of the state each; the write
+            in the background), instead of one writer copying its whole
+            replica to its host and writing it (docs/checkpointing.md, "Who
+            writes"). Groups spanning processes always save this way.
         on_step: called with each step's record (the ``metrics.jsonl`` fields).
         compile_cache: where JAX's persistent compilation cache keeps the
             compiled programs, so that a rerun or a relaunched job loads them

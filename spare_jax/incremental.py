@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spare_jax import reorder
+from spare_jax import reorder, rings
 from spare_jax.placement import Placement
 
 __all__ = ["LoadTracker"]
@@ -107,7 +107,7 @@ class LoadTracker:
 
     def _full_carry(self) -> np.ndarray:
         """Periodic carry leaving each ring position downward, int [rings, n]."""
-        sweep = reorder._ring_carry(self._alive2d, self.microbatches, self._load)[:, 1:]
+        sweep = rings.carry(self._alive2d, self.microbatches, self._load)[:, 1:]
         return sweep[:, ::-1].copy()
 
     def _update_carry(self, ring: int, pos: int) -> None:

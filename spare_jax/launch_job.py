@@ -451,10 +451,12 @@ class Job:
 
     def _saving(self) -> float:
         """How long survivors in a sharded save may still wait at its barriers for a lost peer
-        before they drop the save and go on (0 when none is saving)."""
+        before they drop the save and go on (0 when none is saving): two barriers in a row
+        can each run out, the background write's and the commit's."""
         at = self.watch.positions
         saving = [w for w in self.workers if w.code is None and w.index in at]
-        return max((w.save_wait_s for w in saving if at[w.index].phase == "checkpoint"), default=0)
+        waits = [w.save_wait_s for w in saving if at[w.index].phase == "checkpoint"]
+        return 2 * max(waits, default=0)
 
     def verdict(self) -> tuple[int, str]:
         """The first worker verdict: its status and its last line."""

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 __all__ = [
     "REPLICA_FILE",
@@ -34,8 +35,10 @@ __all__ = [
     "ReplicaHandler",
     "ReplicaRestore",
     "ReplicaSave",
+    "barrier_timed_out",
     "missing_files",
     "on_disk_bytes",
+    "read_step",
     "replica_split",
     "save_wait_s",
     "shard_table",
@@ -296,3 +299,44 @@ def sharded_handler(multiprocessing: Any, primary: int, cap: int) -> ocp.PyTreeC
     return ocp.PyTreeCheckpointHandler(
         multiprocessing_options=multiprocessing, type_handler_registry=registry
     )
+
+
+def barrier_timed_out(err: BaseException) -> bool:
+    """Whether a failed save ran out of time at one of Orbax's barriers between processes
+    (a process that should have reached it is gone), rather than failing to write."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, TimeoutError) or "DEADLINE_EXCEEDED" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def read_step(
+    path: str, abstract_state: Any, host_target: Any, multiprocessing: Any | None
+) -> tuple[Any, dict, bool]:
+    """The state and JSON record of the committed checkpoint at ``path``, in either layout.
+
+    Read with the item handlers directly (not a manager's, which are one
+    layout's): a checkpoint written by a multi-process job resumes in a lone
+    process and the other way round. ``multiprocessing`` None: this process
+    reads it alone, onto its host (``host_target``), waiting on no other;
+    otherwise with those options onto ``abstract_state``'s shardings. The flag
+    returned says the state is on the host (to be placed).
+    """
+    with open(os.path.join(path, "meta", "metadata"), encoding="utf-8") as f:
+        meta = json.load(f)
+    state_dir = epath.Path(path) / "state"
+    if (state_dir / REPLICA_FILE).exists():
+        return ReplicaHandler().restore(state_dir, ReplicaRestore(host_target)), meta, True
+    local = multiprocessing is None
+    if local:
+        me = jax.process_index()
+        multiprocessing = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    handler = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
+    try:
+        target = host_target if local else abstract_state
+        state = handler.restore(state_dir, args=ocp.args.StandardRestore(target))
+    finally:
+        handler.close()
+    return state, meta, local

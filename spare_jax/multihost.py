@@ -387,23 +387,26 @@ def group_devices(mesh: Mesh) -> dict[int, list[jax.Device]]:
     return mesh_lib.group_devices(mesh)
 
 
-def agree(mesh: Mesh, flag: bool) -> jax.Array:
-    """Whether any process of ``mesh`` says ``flag`` (every one of them calls this): a scalar.
+def agree(mesh: Mesh, *flags: bool) -> jax.Array:
+    """Whether any process of ``mesh`` says each of ``flags`` (every one of them calls this
+    with as many): one value per flag.
 
     One tiny collective over the mesh's devices: each device carries its
-    process's flag, the program takes the maximum. Processes that decide on
-    their own (a checkpoint interval fed by their own timings) agree this way.
+    process's flags, the program takes the maximum of each. Processes that
+    decide on their own (a checkpoint interval fed by their own timings, a
+    background write that ends at its own time) agree this way.
     """
     flat = NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+    mine = np.array([int(f) for f in flags], np.int32)
     votes = jax.make_array_from_callback(
-        (mesh.devices.size,), flat, lambda index: np.full(1, int(flag), np.int32)
+        (mesh.devices.size, len(flags)), flat, lambda index: mine[None, :]
     )
     return _max_vote(votes)
 
 
 @jax.jit
 def _max_vote(votes: jax.Array) -> jax.Array:
-    return votes.max()
+    return votes.max(axis=0)
 
 
 def survivors_mesh(devices: dict[int, list[jax.Device]], live: Sequence[int], like: Mesh) -> Mesh:

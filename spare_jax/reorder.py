@@ -7,16 +7,9 @@ assignment that minimises `L` exactly (policy "adaptive"), or the fixed-order
 baseline that hands each shard whole to its first live holder (policy "fixed").
 
 Ring placements (cyclic, strided, domain-aware stacking) are solved in O(G)
-vectorised passes per candidate load:
-
-* the optimum is the Hall bound over contiguous shard intervals of each ring
-    (docs/design.md, section 4), found by bisection on `L` with a prefix-minimum test;
-* a load `L` is reached by a sweep against the ring direction in which each
-    group takes, first-in first-out, the work its upper neighbours could not
-    finish, then its own shard, up to `L`. The carried work obeys a Lindley
-    recursion `c = max(0, c_prev + m - cap)`; two laps of a cumulative sum give
-    its periodic solution, and it is feasible iff the carry never exceeds
-    `(r - 1) * m` (older work would be past its last holder).
+vectorised passes per candidate load (`spare_jax.rings`: the Hall bound over
+contiguous shard intervals, and a sweep whose carried work obeys a Lindley
+recursion).
 
 Other placements go through max-flow (scipy's csgraph) with a bisection on the
 load. Replication is special: every live member computes its set's shard.
@@ -39,7 +32,7 @@ import numpy as np
 import scipy.sparse
 import scipy.sparse.csgraph
 
-from spare_jax import checks, strategies
+from spare_jax import checks, rings, strategies
 from spare_jax.placement import Placement
 
 __all__ = [
@@ -135,134 +128,6 @@ def _raise_if_interrupted(placement: Placement, alive: np.ndarray) -> None:
     missing = uncovered(placement, alive)
     if missing.size:
         raise Interruption(missing)
-
-
-# ---------------------------------------------------------------- ring placements
-
-
-def _longest_dead_run(alive2d: np.ndarray) -> int:
-    """Longest circular run of dead positions over all rings."""
-    n = alive2d.shape[1]
-    twice = np.concatenate([alive2d, alive2d], axis=1)
-    idx = np.arange(2 * n)
-    last_live = np.maximum.accumulate(np.where(twice, idx, -1), axis=1)
-    return int(min((idx - last_live).max(initial=0), n)) if n else 0
-
-
-def _hall_feasible(alive2d: np.ndarray, r: int, m: int, load: int) -> bool:
-    """True iff every contiguous shard interval of every ring fits under `load`.
-
-    Interval [a, b] of ring positions (unrolled over two laps) is held by groups
-    [a - r + 1, b]; the test m (b - a + 1) <= load * live[a - r + 1, b] is
-    m (b + 1) - load * PA[b + r] <= m a - load * PA[a] with PA the prefix count
-    of live groups on the unrolled ring. Longer unrolled intervals are implied by
-    shorter ones plus the whole-ring test.
-    """
-    n = alive2d.shape[1]
-    a = alive2d.astype(np.int64)
-    if np.any(n * m > load * a.sum(axis=1)):
-        return False
-    unrolled = (
-        np.concatenate([a[:, n - (r - 1) :], a, a], axis=1)
-        if r > 1
-        else np.concatenate([a, a], axis=1)
-    )
-    prefix = np.concatenate([np.zeros((a.shape[0], 1), np.int64), np.cumsum(unrolled, axis=1)], 1)
-    b = np.arange(2 * n)
-    u = m * (b + 1) - load * prefix[:, b + r]
-    v = m * np.arange(n) - load * prefix[:, :n]
-    best_start = np.minimum.accumulate(v, axis=1)
-    return bool(np.all(u <= best_start[:, np.minimum(b, n - 1)]))
-
-
-def _ring_bounds(alive2d: np.ndarray, m: int) -> tuple[int, int]:
-    n = alive2d.shape[1]
-    live = alive2d.sum(axis=1)
-    lower = max(m, int(np.max(-(-n * m // live))))
-    upper = m * (1 + _longest_dead_run(alive2d))
-    return lower, max(lower, upper)
-
-
-def _ring_optimal_load(alive2d: np.ndarray, r: int, m: int, start: int | None = None) -> int:
-    """Smallest feasible load; `start`, a known lower bound, is tried first and galloped up."""
-    lo, hi = _ring_bounds(alive2d, m)
-    if start is not None and lo < start < hi:
-        step = 1
-        lo = start
-        while lo + step - 1 < hi and not _hall_feasible(alive2d, r, m, lo + step - 1):
-            lo, step = lo + step, 2 * step
-        hi = min(hi, lo + step - 1)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _hall_feasible(alive2d, r, m, mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _ring_carry(alive2d: np.ndarray, m: int, load: int) -> np.ndarray:
-    """Periodic carry after each group, in sweep order (positions n-1 down to 0).
-
-    Returns int [rings, n + 1]: column 0 is the carry entering the lap.
-    """
-    return _ring_carry_caps(np.where(alive2d, load, 0), m)
-
-
-def _ring_carry_caps(cap2d: np.ndarray, m: int) -> np.ndarray:
-    """`_ring_carry` with a capacity per group: int [rings, n] in ring order (0 = dead)."""
-    n = cap2d.shape[1]
-    cap = cap2d[:, ::-1].astype(np.int64)
-    step = m - np.concatenate([cap, cap], axis=1)
-    total = np.cumsum(step, axis=1)
-    carry = total - np.minimum.accumulate(np.minimum(total, 0), axis=1)
-    return carry[:, n - 1 :]
-
-
-def _ring_assign(p: Placement, alive: np.ndarray, m: int, load: int):
-    return _ring_assign_caps(p, np.where(alive, load, 0), m, load)
-
-
-def _ring_assign_caps(p: Placement, caps: np.ndarray, m: int, load: int | None = None):
-    """The sweep's assignment under int [G] capacities `caps` (0 = dead).
-
-    `load` is the width of the work table; None takes the largest load.
-    """
-    rings = p.rings
-    n_rings, n = rings.shape
-    r = p.redundancy
-    carry = _ring_carry_caps(caps[rings], m)
-    if carry.max() > (r - 1) * m:
-        raise AssertionError(f"sweep infeasible at the optimal capacities (load {load}): bug")
-    c_in = carry[:, :1]
-    sweep = np.arange(n)
-    taken = c_in + (sweep + 1) * m - carry[:, 1:]
-    start = np.concatenate([np.zeros((n_rings, 1), np.int64), taken[:, :-1]], axis=1)
-    take = taken - start
-    if load is None:
-        load = int(take.max())
-    k = np.arange(load)
-    valid = k[None, None, :] < take[:, :, None]
-    unit = start[:, :, None] + take[:, :, None] - 1 - k[None, None, :]
-    lap_unit = (unit - c_in[:, :, None]) % (n * m)
-    shard_sweep = lap_unit // m
-    micro = m - 1 - lap_unit % m
-    stack_pos = (sweep[None, :, None] - shard_sweep) % n
-    if np.any(stack_pos[valid] >= r):
-        raise AssertionError("sweep assigned work beyond its holders: bug")
-    group = rings[:, ::-1]
-    shard = np.take_along_axis(group, shard_sweep.reshape(n_rings, -1), axis=1).reshape(
-        shard_sweep.shape
-    )
-    work = np.full((p.groups, load, 2), -1, dtype=np.int32)
-    work[group.ravel(), :, 0] = np.where(valid, stack_pos, -1).reshape(-1, load)
-    work[group.ravel(), :, 1] = np.where(valid, micro, -1).reshape(-1, load)
-    owner = np.full((p.shards, m), -1, dtype=np.int64)
-    owner_group = np.broadcast_to(group[:, :, None], valid.shape)
-    owner[shard[valid], micro[valid]] = owner_group[valid]
-    loads = np.zeros(p.groups, dtype=np.int64)
-    loads[group.ravel()] = take.ravel()
-    return owner, loads, work
 
 
 # ---------------------------------------------------------------- any placement
@@ -373,7 +238,7 @@ def max_load(
         first = _first_live_holder(placement, alive)
         return int(np.bincount(first, minlength=placement.groups).max()) * units
     if placement.rings is not None:
-        return _ring_optimal_load(alive[placement.rings], placement.redundancy, m)
+        return rings.optimal_load(alive[placement.rings], placement.redundancy, m)
     return _flow_optimal_load(placement, alive, m)[0]
 
 
@@ -400,8 +265,8 @@ def assign(
         owner = np.repeat(_first_live_holder(placement, alive)[:, None], units, axis=1)
         loads, work, counted = _work_from_owner(placement, alive, owner)
     elif placement.rings is not None:
-        load = _ring_optimal_load(alive[placement.rings], placement.redundancy, m)
-        owner, loads, work = _ring_assign(placement, alive, m, load)
+        load = rings.optimal_load(alive[placement.rings], placement.redundancy, m)
+        owner, loads, work = rings.sweep(placement, alive, m, load)
         counted = work[:, :, 0] >= 0
     else:
         _, flow = _flow_optimal_load(placement, alive, m)
@@ -539,7 +404,7 @@ def _speed_optimum(p: Placement, speeds: np.ndarray, m: int) -> float:
             cap2d = _speed_caps(speed2d, t, limit)
             if np.any(cap2d.sum(axis=1) < n * m):
                 return False
-            return bool(_ring_carry_caps(cap2d, m).max() <= (r - 1) * m)
+            return bool(rings.carry_caps(cap2d, m).max() <= (r - 1) * m)
 
     else:
 
@@ -599,7 +464,7 @@ def assign_by_speed(placement: Placement, speeds: np.ndarray, microbatches: int 
     else:
         caps = _speed_caps(speeds, t, placement.depth * units)
         if placement.rings is not None:
-            owner, loads, work = _ring_assign_caps(placement, caps, m)
+            owner, loads, work = rings.sweep_caps(placement, caps, m)
             counted = work[:, :, 0] >= 0
         else:
             flow = _flow_graph_caps(placement, alive, units, caps)

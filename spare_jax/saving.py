@@ -41,16 +41,20 @@ class Saving:
             # A replacement opens no checkpoints until it is in the save group (`_regrow`).
             process_local=self.multi and not shared,
             group=(self.writer_process, self.members) if shared else None,
-            # Shared saves: a save in flight has barriers with every live process, and one
-            # lost in it holds the others there (`layouts.save_wait_s`). Saves finish
-            # between steps instead, where such a loss is taken as one in a step.
-            use_async=not self.shared_saves,
             shards=layouts.shard_table(self.global_abstract, self.step.groups),
             replicas=self.step.groups,
         )
 
     def _regroup_saves(self) -> None:
-        """The live processes changed: every one of them saves with the others from now on."""
+        """The live processes changed: every one of them saves with the others from now on.
+
+        A save in flight finishes first (one whose blocking part failed may still
+        be writing in the background); if a lost process had a part in it, its
+        barriers hold the survivors until they time out (`Checkpointer.wait_s`,
+        twice: the write's and the commit's), and it is dropped. The launcher
+        allows that wait while they say they are in a save.
+        """
+        self._at("checkpoint")
         self.ckpt.regroup(
             self.writer_process,
             self.members,
@@ -111,10 +115,12 @@ class Saving:
 
     def _save(self, *, force: bool = False) -> None:
         """Let Orbax's policy decide on step ``t`` (or force it); note finished saves."""
-        for saved in self.ckpt.poll():
+        # A shared save ends on every process at the same step (its end has barriers).
+        ended = self._agreed_end if self.shared_saves else True
+        for saved in self.ckpt.poll() if ended else []:
             self._note(saved)
         due = self._agreed_save if self.shared_saves else self.ckpt.due(self.t)
-        self._agreed_save = False
+        self._agreed_save = self._agreed_end = False
         if not (force or due):  # most steps: nothing to build or copy
             return
         if self.multi and not self.shared_saves and not self.ckpt.writer:
@@ -142,12 +148,16 @@ class Saving:
         """Every live process saves its shards (sharded checkpoints, groups spanning
         processes), in one live-set block.
 
-        A process lost during the save leaves the others at one of Orbax's
+        The block holds the save's blocking part (the copy off the devices and
+        Orbax's barriers before the write); the write runs in the background.
+        A process lost in the blocking part leaves the others at one of Orbax's
         barriers until its timeout (`Checkpointer.wait_s`, which grows with the
         bytes); then every survivor's barrier fails and the block reports the
         loss to all of them at once: the save is dropped (the previous
         checkpoint stays the newest complete one) and the survivors take over
-        as after a loss in a step.
+        as after a loss in a step. A loss during the background write is taken
+        by the next step's block, and the save dropped when the survivors
+        regroup (`_regroup_saves`).
         """
         started = time.time()
         try:

@@ -161,7 +161,8 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         # Every live process writes its part of each checkpoint, at steps they agree on:
         # always with spanning groups, on request with whole groups per process.
         self.shared_saves = self.spanning or (self.multi and sharded_checkpoints)
-        self._agreed_save, self._restores = False, 0  # shared saves' vote; restores so far
+        # Shared saves' votes (the next save is due; the last one ended everywhere); restores.
+        self._agreed_save, self._agreed_end, self._restores = False, False, 0
         self._by_group = multihost.group_devices(step.mesh)
         self._all = list(step.mesh.devices.flat)  # the job's devices: membership is checked on all
         # The whole job's layout by device id: a re-join rebuilds it on a new backend.
@@ -316,8 +317,10 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
                     try:
                         timed = self._tracker is not None  # balancing: own compute time
                         sums = self.step.reduce(self.state, stacks, table, timed=timed)
-                        if self.shared_saves:  # the next save, agreed by every live process
-                            vote = multihost.agree(self.step.mesh, self.ckpt.due(self.t + 1))
+                        if self.shared_saves:  # the next save, and the last one's end, agreed
+                            vote = multihost.agree(
+                                self.step.mesh, self.ckpt.due(self.t + 1), self.ckpt.writing()
+                            )
                         if fresh:  # the update runs first next, at its own pace:
                             self._warm.setdefault(self.step, set()).add(self.step.slot_bound)
                             self._resync = True
@@ -325,7 +328,9 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
                         jax.block_until_ready(sums)
                         self._balance(fresh)
                         if self.shared_saves:
-                            self._agreed_save = bool(host_scalar(vote))
+                            due, writing = np.asarray(vote.addressable_shards[0].data).tolist()
+                            self._agreed_save = bool(due)
+                            self._agreed_end = self.ckpt.in_flight() and not writing
                     finally:  # done or failed, it waits for its peers in the live-set check
                         self._at("sync")
             if joiners:

@@ -216,13 +216,13 @@ def test_replica_layout_round_trips_every_dtype_and_shape(tmp_path):
     d.mkdir()
     handler = checkpoint.ReplicaHandler()
     handler.save(d, checkpoint.ReplicaSave(state))
-    out = handler.restore(d, checkpoint.ReplicaRestore(target))
+    out = handler.restore(d, layouts.ReplicaRestore(target))
     for k, want in state.items():
         assert out[k].dtype == np.asarray(want).dtype and out[k].shape == np.shape(want)
         np.testing.assert_array_equal(out[k], want)
     wrong = {**target, "w": jax.ShapeDtypeStruct((3, 2), np.float32)}
     with pytest.raises(ValueError, match=r"array 2 is float32\(2, 3\)"):
-        handler.restore(d, checkpoint.ReplicaRestore(wrong))
+        handler.restore(d, layouts.ReplicaRestore(wrong))
 
 
 @pytest.fixture
@@ -486,18 +486,8 @@ def test_save_wait_is_the_base_plus_a_split_share_of_the_bytes(shards, groups, s
     assert layouts.save_wait_s(bigger, groups) - base == pytest.approx(scale * (wait - base))
 
 
-def test_sharded_saves_bound_orbax_barriers_by_their_wait(tmp_path, monkeypatch, capsys):
-    """A checkpointer of sharded saves runs its saves with Orbax's barriers timing out after
-    its `wait_s` (`layouts.save_wait_s` of its state), and says so to a launcher."""
-    seen = []
-    real = checkpoint.jax_internals.orbax_barrier_timeout
-
-    def spy(seconds):
-        seen.append(seconds)
-        return real(seconds)
-
-    monkeypatch.setattr(checkpoint.jax_internals, "orbax_barrier_timeout", spy)
-    monkeypatch.setenv("SPARE_JAX_LAUNCH_DIR", str(tmp_path / "launch"))
+def _group_checkpointer(tmp_path):
+    """A checkpointer of sharded saves (group mode) in this one process, and a state for it."""
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = {"w": jax.device_put(np.arange(60.0, dtype=np.float32).reshape(6, 10), sharding)}
@@ -508,20 +498,66 @@ def test_sharded_saves_bound_orbax_barriers_by_their_wait(tmp_path, monkeypatch,
     ckpt = checkpoint.Checkpointer(
         str(tmp_path / "ckpt"),
         checkpoint.Interval(total=4, pinned=1),
-        use_async=False,
         group=(0, {0}),
         shards=shards,
         replicas=2,
     )
+    return ckpt, state, shards
+
+
+def test_sharded_saves_bound_orbax_barriers_by_their_wait(tmp_path, monkeypatch, capsys):
+    """While a checkpointer of sharded saves is open, its asynchronous saves included,
+    Orbax's barriers time out after its `wait_s` (`layouts.save_wait_s` of its state);
+    closing it gives Orbax its own timeout back. It says the wait to a launcher."""
+    from orbax.checkpoint._src.multihost import multihost as orbax_multihost
+
+    monkeypatch.setenv("SPARE_JAX_LAUNCH_DIR", str(tmp_path / "launch"))
+    before = orbax_multihost.coordination_timeout()
+    ckpt, state, shards = _group_checkpointer(tmp_path)
     assert ckpt.wait_s == layouts.save_wait_s(shards, 2)
+    assert orbax_multihost.coordination_timeout() == math.ceil(ckpt.wait_s) != before
     ckpt.save(1, state, {"step": 1, "param_checksum": 0.0, "state_digest": "-"}, force=True)
-    ckpt.wait()
+    assert ckpt.in_flight()  # the write goes on in the background, under the same timeout
+    assert orbax_multihost.coordination_timeout() == math.ceil(ckpt.wait_s)
+    assert [s.step for s in ckpt.wait()] == [1] and not ckpt.in_flight()
     ckpt.close()
-    assert seen and set(seen) == {math.ceil(ckpt.wait_s)}, seen
-    assert (tmp_path / "ckpt" / "1").is_dir()
+    assert orbax_multihost.coordination_timeout() == before
+    assert checkpoint.missing_files(str(tmp_path / "ckpt" / "1")) is None
     said = [
         json.loads(line.split(":", 1)[1])
         for line in capsys.readouterr().out.splitlines()
         if line.startswith("spare-jax-event:")
     ]
     assert {"kind": "save_barriers", "wait_s": round(ckpt.wait_s, 3)} in said, said
+
+
+@pytest.mark.parametrize(
+    "error, dropped",
+    [
+        (TimeoutError("Timed out while waiting for async_write_complete barrier."), True),
+        (RuntimeError("DEADLINE_EXCEEDED: Barrier timed out"), True),
+        (OSError(5, "Input/output error"), False),
+    ],
+)
+def test_a_sharded_save_that_times_out_at_a_barrier_is_dropped_and_a_failed_write_is_not(
+    tmp_path, monkeypatch, capsys, error, dropped
+):
+    """A save in flight whose barrier ran out (a process lost in it) is dropped with one line
+    and the checkpointer goes on; any other failure of the write stops the run
+    (`StorageError`), as it does in every layout."""
+    ckpt, state, _ = _group_checkpointer(tmp_path)
+    ckpt.save(1, state, {"step": 1, "param_checksum": 0.0, "state_digest": "-"}, force=True)
+    ckpt._manager.wait_until_finished()  # the real write ends; then it "fails" as told
+
+    def fails():
+        raise RuntimeError("the background thread failed") from error
+
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", fails)
+    if dropped:
+        assert ckpt.wait() == [] and not ckpt.in_flight()
+        assert "the save of step 1 was dropped: a process was lost in it" in capsys.readouterr().err
+    else:
+        with pytest.raises(checkpoint.StorageError, match="the save of step 1"):
+            ckpt.wait()
+    monkeypatch.undo()
+    ckpt.close()

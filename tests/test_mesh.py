@@ -59,3 +59,15 @@ def test_rings_on_the_mesh():
     assert rep.stacks.ravel().tolist() == [0, 0, 1, 1] and rep.shard_units == 2
     dp = strategies.placement("dp", 4, 1)
     assert dp.redundancy == 1 and dp.stacks.ravel().tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("flags", [(True,), (False,), (True, False), (False, True, True)])
+def test_agree_gives_one_vote_per_flag(flags):
+    """`multihost.agree` takes each flag's maximum over the mesh's devices: in one process
+    every device carries this process's flags, so the votes are the flags, in order."""
+    from spare_jax import multihost
+
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    votes = multihost.agree(mesh, *flags)
+    assert votes.shape == (len(flags),)
+    assert np.asarray(votes).tolist() == [int(f) for f in flags]
