@@ -486,7 +486,7 @@ def test_save_wait_is_the_base_plus_a_split_share_of_the_bytes(shards, groups, s
     assert layouts.save_wait_s(bigger, groups) - base == pytest.approx(scale * (wait - base))
 
 
-def _group_checkpointer(tmp_path):
+def _group_checkpointer(tmp_path, keep=3):
     """A checkpointer of sharded saves (group mode) in this one process, and a state for it."""
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -498,6 +498,7 @@ def _group_checkpointer(tmp_path):
     ckpt = checkpoint.Checkpointer(
         str(tmp_path / "ckpt"),
         checkpoint.Interval(total=4, pinned=1),
+        keep=keep,
         group=(0, {0}),
         shards=shards,
         replicas=2,
@@ -561,3 +562,26 @@ def test_a_sharded_save_that_times_out_at_a_barrier_is_dropped_and_a_failed_writ
             ckpt.wait()
     monkeypatch.undo()
     ckpt.close()
+
+
+def test_sharded_saves_let_the_same_checkpoint_go_on_every_process(tmp_path, monkeypatch):
+    """Every live process of a sharded save lets the oldest checkpoint go once a new one is
+    confirmed (Orbax's delete waits for all of them at a barrier), while the primary may have
+    removed its files already: each counts a checkpoint complete as it first saw it, not as
+    the disk looks now, so all of them decide alike."""
+    ckpt, state, _ = _group_checkpointer(tmp_path, keep=1)
+    meta = {"param_checksum": 0.0, "state_digest": "-"}
+    ckpt.save(1, state, {"step": 1, **meta}, force=True)
+    assert [s.step for s in ckpt.wait()] == [1]
+    ckpt.save(2, state, {"step": 2, **meta}, force=True)
+    ckpt._manager.wait_until_finished()
+    # The primary's delete of step 1 under way: one of its files is gone.
+    (tmp_path / "ckpt" / "1" / "meta" / "metadata").unlink()
+    deleted = []
+    real = ckpt._manager.delete
+    monkeypatch.setattr(ckpt._manager, "delete", lambda step: (deleted.append(step), real(step)))
+    assert [s.step for s in ckpt.wait()] == [2]
+    assert deleted == [1]
+    assert ckpt.steps() == [2]
+    ckpt.close()
+
