@@ -584,4 +584,3 @@ def test_sharded_saves_let_the_same_checkpoint_go_on_every_process(tmp_path, mon
     assert deleted == [1]
     assert ckpt.steps() == [2]
     ckpt.close()
-
