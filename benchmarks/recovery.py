@@ -81,6 +81,9 @@ from spare_jax import cli
 from spare_jax.runlog import read_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The figures in docs/multihost.md were taken with one writer's replica checkpoints;
+# sharded ones (the default) regroup their savers after a loss (docs/checkpointing.md).
+REPLICA = "--nosharded_checkpoints"
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of each case.", lower_bound=1, upper_bound=50)
 _STEPS = flags.DEFINE_integer(
     "steps", 12, "Training steps per run.", lower_bound=6, upper_bound=10**4
@@ -154,6 +157,7 @@ def _command(workdir: str, args: list[str], kills: list[str], kill_step: int) ->
             str(ROOT / "experiments" / "regression.py"),
             f"--workdir={workdir}",
             steps[-1],
+            REPLICA,
         ]
     return [
         sys.executable,
@@ -164,6 +168,7 @@ def _command(workdir: str, args: list[str], kills: list[str], kill_step: int) ->
         f"--steps={_STEPS.value}",
         f"--heartbeat_s={_HEARTBEAT.value}",
         f"--collective_timeout_s={_TIMEOUT.value}",
+        REPLICA,
         *args,
         *kill_flags,
     ]
@@ -350,6 +355,7 @@ def _regression_command(workdir: str) -> list[str]:
         f"--workdir={workdir}",
         f"--steps={NEIGHBOUR_STEPS}",
         "--checkpoint_steps=5",
+        REPLICA,
     ]
 
 

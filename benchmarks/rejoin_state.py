@@ -136,6 +136,7 @@ def _worker() -> None:
             steps=_STEPS.value,
             workdir=_WORKDIR.value,
             checkpoint_steps=10**6,  # only the end of the run (or the stop) saves
+            sharded_checkpoints=False,  # one writer's replica, as docs/checkpointing.md measured
         )
     finally:  # the driver stops the job (SIGTERM: a preemption) once the re-join is done
         print(f"{PEAK}{peak_bytes()}", flush=True)

@@ -67,9 +67,10 @@ _BALANCE = flags.DEFINE_bool(
 )
 _SHARDED_CHECKPOINTS = flags.DEFINE_bool(
     "sharded_checkpoints",
-    False,
-    "Multi-process: every live process writes its part of each checkpoint "
-    "(fit's sharded_checkpoints).",
+    None,
+    "Multi-process: every live process writes its part of each checkpoint from its devices "
+    "(about 1/G each; the default). --nosharded_checkpoints: one writer saves its whole "
+    "replica from its host (whole groups per process only).",
 )
 ROWS = 4  # rows of one micro-batch
 MICROBATCHES = 2

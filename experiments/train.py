@@ -148,9 +148,10 @@ _BALANCE = flags.DEFINE_bool(
 )
 _SHARDED_CHECKPOINTS = flags.DEFINE_bool(
     "sharded_checkpoints",
-    False,
+    None,
     "Multi-process: every live process writes its part of each checkpoint from its devices "
-    "(about 1/G each), instead of one writer saving its whole replica from its host.",
+    "(about 1/G each; the default). --nosharded_checkpoints: one writer saves its whole "
+    "replica from its host (whole groups per process only).",
 )
 
 

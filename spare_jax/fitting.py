@@ -204,7 +204,7 @@ def fit(
     warmup_steps: int = 3,
     precompile_failures: bool = False,
     balance: bool = False,
-    sharded_checkpoints: bool = False,
+    sharded_checkpoints: bool | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     compile_cache: str | None | bool = None,
 ) -> FitResult:
@@ -239,12 +239,13 @@ def fit(
         balance: multi-process: measure each failure domain's compute speed and,
             when it pays, give slow groups fewer micro-batches (exact; a
             ``straggler`` event says so; `spare_jax.balancing`). Off by default.
-        sharded_checkpoints: multi-process with whole groups per process: every
-            live process writes its part of each checkpoint from its devices
-            (Orbax, replica-parallel: about 1/G of the state each; the write
-            in the background), instead of one writer copying its whole
-            replica to its host and writing it (docs/checkpointing.md, "Who
-            writes"). Groups spanning processes always save this way.
+        sharded_checkpoints: multi-process: every live process writes its
+            part of each checkpoint from its devices (Orbax, replica-parallel:
+            about 1/G of the state each; the write in the background). None
+            (the default) or True: so. False, with whole groups per process:
+            one writer copies its whole replica to its host and writes it
+            (docs/checkpointing.md, "Who writes"). Groups spanning processes
+            always save sharded.
         on_step: called with each step's record (the ``metrics.jsonl`` fields).
         compile_cache: where JAX's persistent compilation cache keeps the
             compiled programs, so that a rerun or a relaunched job loads them
@@ -313,7 +314,7 @@ def fit(
             gpu_mtbf_hours=gpu_mtbf_hours,
             precompile_failures=bool(precompile_failures),
             balance=bool(balance),
-            sharded_checkpoints=bool(sharded_checkpoints),
+            sharded_checkpoints=sharded_checkpoints is not False,
             on_step=on_step,
             fault_hook=testing.fault_hook_from_env(),
         )

@@ -104,9 +104,9 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         gpu_mtbf_hours: the failure rate the interval model assumes when none is configured.
         precompile_failures: multi-process: compile at start-up the step each single
             process failure would leave, so that a recovery does not compile.
-        sharded_checkpoints: multi-process with whole groups per process: every live
-            process writes its part of each checkpoint (as groups spanning processes
-            always do) instead of one writer saving its whole replica.
+        sharded_checkpoints: multi-process: every live process writes its part of
+            each checkpoint (groups spanning processes always do); False, with whole
+            groups per process: one writer saves its whole replica.
         on_step: called with each per-step record.
         fault_hook: called with ``t`` at the start of each step, inside its
             membership scope (`spare_jax.testing`).
@@ -128,7 +128,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         gpu_mtbf_hours: float = 5.1e4,
         precompile_failures: bool = False,
         balance: bool = False,
-        sharded_checkpoints: bool = False,
+        sharded_checkpoints: bool = True,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         fault_hook: Callable[[int], None] | None = None,
     ):
@@ -155,12 +155,15 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
         )
         # int[G, M]: the process of each device of each group (a group may span processes).
         self.owners = multihost.group_processes(step.mesh) if self.multi else None
-        # Groups spanning processes: no process holds a whole replica, so checkpoints
-        # are written by every live process (Orbax multi-process) at agreed steps.
         self.spanning = self.multi and bool((self.owners != self.owners[:, :1]).any())
-        # Every live process writes its part of each checkpoint, at steps they agree on:
-        # always with spanning groups, on request with whole groups per process.
+        # Every live process writes its part of each checkpoint at agreed steps (Orbax);
+        # one writer's replica only on request, and never with groups spanning processes.
         self.shared_saves = self.spanning or (self.multi and sharded_checkpoints)
+        if self.spanning and not sharded_checkpoints and jax.process_index() == 0:
+            runlog.notice(
+                "sharded_checkpoints=False is not taken: groups spanning processes leave no "
+                "process a whole replica to write, so every live process writes its part"
+            )
         # Shared saves' votes (the next save is due; the last one ended everywhere); restores.
         self._agreed_save, self._agreed_end, self._restores = False, False, 0
         self._by_group = multihost.group_devices(step.mesh)

@@ -32,6 +32,8 @@ from spare_jax import checkpoint
 pytestmark = pytest.mark.slow
 
 STEPS = 30
+# One writer's whole replica per checkpoint (the default is sharded: every process its part).
+REPLICA = "--nosharded_checkpoints"
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_a_worker_killed_from_outside_is_masked_and_the_run_completes(
 
 def test_the_writer_killed_during_a_save_leaves_only_whole_checkpoints(env, tmp_path, reference):
     ckpts = tmp_path / "checkpoints"
-    job = _start(env, tmp_path, "--checkpoint_steps=2")
+    job = _start(env, tmp_path, "--checkpoint_steps=2", REPLICA)
     try:
 
         def saving() -> bool:
@@ -199,7 +201,7 @@ def _writers(state_dir: pathlib.Path) -> list[int]:
 def test_sharded_checkpoints_are_written_by_every_live_process_and_restore_exactly(
     env, tmp_path, reference, victim
 ):
-    """--sharded_checkpoints: no replica.npz; the live processes write it together, a killed
+    """The default layout: no replica.npz; the live processes write it together, a killed
     one (the writer too) stops writing and the survivors' saves go on without it; the job
     ends exact; a lone process and a job of 4 resume from those checkpoints exactly.
 
@@ -208,7 +210,7 @@ def test_sharded_checkpoints_are_written_by_every_live_process_and_restore_exact
     all four processes, 3 groups leave them to one).
     """
     ckpts = tmp_path / "checkpoints"
-    job = _start(env, tmp_path, "--sharded_checkpoints", "--checkpoint_steps=10")
+    job = _start(env, tmp_path, "--checkpoint_steps=10")
     try:
         # Between two saves (a loss inside one: the test after this one).
         job.wait_for(lambda: lj.events(tmp_path, "checkpoint"), what="the save of step 10")
@@ -229,9 +231,7 @@ def test_sharded_checkpoints_are_written_by_every_live_process_and_restore_exact
     assert not (ckpts / "corrupt").exists()
     lj.assert_resumes_alone(tmp_path, env, reference, STEPS)  # a lone process reads it
     # A job of 4 resumes from it (the writer reads it once and sends it over the devices).
-    again = _start(
-        env, tmp_path, "--sharded_checkpoints", "--checkpoint_steps=10", steps=STEPS + 10
-    )
+    again = _start(env, tmp_path, "--checkpoint_steps=10", steps=STEPS + 10)
     assert again.finish() == 0, again.output()[-3000:]
     assert lj.events(tmp_path, "resume")[-1]["step"] == STEPS
     assert _writers(ckpts / str(STEPS + 10) / "state") == [0, 1, 2, 3]
@@ -253,7 +253,7 @@ def test_a_worker_killed_inside_a_sharded_save_is_masked_and_the_save_dropped(
     job again, up to three times; the test checks the run whose kill fell inside it.
     """
     workdir, _, step = lj.killed_inside_a_save(
-        lambda w: _start(env, w, "--sharded_checkpoints", launcher_flags=("--grace_s=5",)),
+        lambda w: _start(env, w, launcher_flags=("--grace_s=5",)),
         tmp_path,
         victim=2,
     )
@@ -290,16 +290,24 @@ def test_a_killed_launcher_takes_its_workers_and_a_rerun_resumes(env, tmp_path):
     lj.no_process_left(tmp_path)
 
 
+def _truncate_arrays(step_dir: pathlib.Path) -> None:
+    """Every array file of a checkpoint cut to 8 bytes on disk (replica.npz, or the data
+    files of Orbax's sharded arrays)."""
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 16:
+            f.write_bytes(f.read_bytes()[:8])
+
+
+@pytest.mark.parametrize("layout", [(), (REPLICA,)], ids=["sharded", "replica"])
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restores(
-    env, tmp_path, reference
+    env, tmp_path, reference, layout
 ):
-    first = _start(env, tmp_path, steps=20)
+    first = _start(env, tmp_path, *layout, steps=20)
     assert first.finish() == 0, first.output()[-3000:]
     ckpts = tmp_path / "checkpoints"
-    replica = ckpts / "20" / "state" / "replica.npz"
-    replica.write_bytes(replica.read_bytes()[:100])  # truncated on disk
+    _truncate_arrays(ckpts / "20")
     (ckpts / "15" / "meta" / "metadata").unlink()  # a file missing
-    again = _start(env, tmp_path)
+    again = _start(env, tmp_path, *layout)
     assert again.finish() == 0, again.output()[-3000:]
     out = again.output()
     assert out.count("skipping checkpoint") == 2 and "Traceback" not in out
@@ -346,8 +354,8 @@ def test_when_no_checkpoint_restores_every_worker_stops_with_the_writers_line(en
     first = _start(env, tmp_path, steps=10)
     assert first.finish() == 0, first.output()[-3000:]
     ckpts = tmp_path / "checkpoints"
-    for replica in ckpts.glob("*/state/replica.npz"):
-        replica.write_bytes(replica.read_bytes()[:100])
+    for step_dir in ckpts.iterdir():
+        _truncate_arrays(step_dir)
     damaged = tmp_path / "damaged"
     shutil.copytree(ckpts, damaged)
     logs = [tmp_path / "launch" / f"worker-{i}.log" for i in range(4)]
@@ -394,7 +402,7 @@ def test_a_full_disk_stops_the_job_with_one_line_and_a_rerun_resumes(env, small_
     workdir = small_disk / "run"
     workdir.mkdir()
     # The launcher's own output goes where the test can read it all.
-    job = _start(env, workdir, steps=400, log=tmp_path / "launcher.log")
+    job = _start(env, workdir, REPLICA, steps=400, log=tmp_path / "launcher.log")
     try:
         job.wait_for(lambda: len(lj.events(workdir, "checkpoint")) >= 2, what="two checkpoints")
         filler = small_disk / "filler"
@@ -418,7 +426,7 @@ def test_a_full_disk_stops_the_job_with_one_line_and_a_rerun_resumes(env, small_
     ]
     assert intact, "the newest intact checkpoint is kept"
     filler.unlink()  # space again: the same command resumes and finishes
-    again = _start(env, workdir, steps=400, log=tmp_path / "again.log")
+    again = _start(env, workdir, REPLICA, steps=400, log=tmp_path / "again.log")
     assert again.finish() == 0, again.output()[-3000:]
     assert lj.events(workdir, "resume")[-1]["step"] >= max(intact)
     lj.assert_params(workdir, lj.reference_params(400), range(4))
@@ -487,11 +495,12 @@ def test_a_stall_past_the_collective_timeout_is_ridden_out_on_rebuilt_collective
 
 @pytest.mark.parametrize(
     "to, flags",
-    [("launcher", ()), ("workers", ()), ("launcher", ("--sharded_checkpoints",))],
-    ids=["launcher", "workers", "sharded"],
+    [("launcher", ()), ("workers", ()), ("launcher", (REPLICA,))],
+    ids=["launcher", "workers", "replica"],
 )
 def test_a_preemption_notice_saves_the_step_reached_and_a_rerun_resumes(env, tmp_path, to, flags):
-    """``sharded``: every process writes its part of the preemption's save, at the same step."""
+    """Every process writes its part of the preemption's save, at the same step (``replica``:
+    the writer alone saves its whole replica)."""
     steps = 400
     worker = lj.regression_command(tmp_path, f"--steps={steps}", "--checkpoint_steps=1000", *flags)
     job = lj.Job(lj.launcher(tmp_path, worker), tmp_path, env)
@@ -514,8 +523,10 @@ def test_a_preemption_notice_saves_the_step_reached_and_a_rerun_resumes(env, tmp
     last = max(r["step"] for r in lj.records(tmp_path) if "loss" in r)
     assert last == reached - 1, "the state of the step reached is saved: nothing is lost"
     assert checkpoint.missing_files(str(tmp_path / "checkpoints" / str(reached))) is None
-    if flags:
+    if not flags:
         assert _writers(tmp_path / "checkpoints" / str(reached) / "state") == [0, 1, 2, 3]
+    else:
+        assert (tmp_path / "checkpoints" / str(reached) / "state" / "replica.npz").exists()
     lj.no_process_left(tmp_path)
     again = lj.Job(lj.launcher(tmp_path, worker), tmp_path, env)
     assert again.finish() == 0, again.output()[-3000:]

@@ -150,7 +150,9 @@ def _scenario(
 
 @pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_rejoins_exactly(env, tmp_path, reference):
-    _scenario(env, tmp_path, reference, [(2, 8, signal.SIGKILL)])
+    """With one writer's replica checkpoints (the others: the default, sharded ones)."""
+    flags = ("--nosharded_checkpoints",)
+    _scenario(env, tmp_path, reference, [(2, 8, signal.SIGKILL)], worker_flags=flags)
 
 
 @pytest.mark.slow
@@ -173,11 +175,11 @@ def test_a_warm_spare_takes_a_killed_workers_place_and_rejoins_exactly(env, tmp_
 
 @pytest.mark.slow
 def test_a_replacement_joins_the_sharded_checkpoints_of_the_survivors(env, tmp_path, reference):
-    """``--sharded_checkpoints``, saves every 40 steps: the survivors save without the killed
-    worker, its replacement joins their save group, and the last checkpoint, written by all
-    four again, restores exactly in a lone process. The kill comes 2 steps after a save, far
-    from the next (a loss inside a save: `test_multiprocess.py`)."""
-    flags = ("--sharded_checkpoints", "--checkpoint_steps=40")
+    """Sharded checkpoints (the default), saves every 40 steps: the survivors save without
+    the killed worker, its replacement joins their save group, and the last checkpoint,
+    written by all four again, restores exactly in a lone process. The kill comes 2 steps
+    after a save, far from the next (a loss inside a save: `test_multiprocess.py`)."""
+    flags = ("--checkpoint_steps=40",)
     workdir = _scenario(env, tmp_path, reference, [(2, 42, signal.SIGKILL)], worker_flags=flags)
     state = workdir / "checkpoints" / str(STEPS) / "state"
     assert not (state / "replica.npz").exists()
