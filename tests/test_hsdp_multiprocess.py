@@ -77,6 +77,7 @@ def _launcher(
     steps: int,
     checkpoint_steps: int,
     *launcher_flags: str,
+    worker_flags: tuple[str, ...] = (),
 ) -> list[str]:
     """``experiments/regression.py`` on ``mesh`` with per-unit input, under the launcher."""
     worker = lj.regression_command(
@@ -85,6 +86,7 @@ def _launcher(
         f"--checkpoint_steps={checkpoint_steps}",
         f"--mesh={mesh}",
         "--input=units",
+        *worker_flags,
     )
     return [
         lj.PYTHON,
@@ -201,7 +203,8 @@ def test_a_stall_in_a_spanning_job_is_ridden_out_keeping_each_process_s_own_shar
 def test_a_spanning_job_resumes_and_rolls_back_exactly(env, tmp_path):
     """Checkpoints written by every process of spanning groups restore exactly.
 
-    A job of 8 steps saves at 4 and 8 (every process its own shards); the same
+    A job of 8 steps saves at 4 and 8 (every process its own shards, though
+    asked for one writer's replica: it says that is not taken); the same
     command to 16 steps resumes from 8. In it one process of each group is
     SIGKILLed at once: no group is left to go on with, the job relaunches and
     rolls back to the latest complete checkpoint. Every process's parameters
@@ -209,13 +212,24 @@ def test_a_spanning_job_resumes_and_rolls_back_exactly(env, tmp_path):
     """
     processes, devices, mesh, groups, _, _, _ = CASES["4x2_fsdp_tensor"]
 
-    def command(steps: int) -> list[str]:
-        return _launcher(tmp_path, processes, devices, mesh, steps, checkpoint_steps=4)
+    def command(steps: int, *flags: str) -> list[str]:
+        return _launcher(
+            tmp_path, processes, devices, mesh, steps, checkpoint_steps=4, worker_flags=flags
+        )
 
-    first = lj.Job(command(8), tmp_path, env, log=tmp_path.parent / "first.launcher.log")
+    first = lj.Job(
+        command(8, "--nosharded_checkpoints"),
+        tmp_path,
+        env,
+        log=tmp_path.parent / "first.launcher.log",
+    )
     assert first.finish(timeout=400) == 0, first.output()[-3000:]
     saved = [e["step"] for e in lj.events(tmp_path, "checkpoint")]
     assert saved[-1] == 8, saved
+    said = (tmp_path / "launch" / "worker-0.log").read_text(errors="replace")
+    assert "sharded_checkpoints=False is not taken" in said, said[-3000:]
+    state = tmp_path / "checkpoints" / "8" / "state"
+    assert not (state / "replica.npz").exists() and (state / "manifest.ocdbt").exists()
     job = lj.Job(command(STEPS), tmp_path, env)
     try:
         job.wait_for(job.step_reached(10), timeout=400, what="step 10")
