@@ -270,6 +270,8 @@ class Checkpointer:
         start = time.perf_counter() if started is None else started
         if not self.writer or (force and step in self._manager.all_steps()):
             return None
+        for seen in self._manager.all_steps() if self.group is not None else []:
+            self._counted(seen)  # before this save's end, when the primary may delete one
         try:
             saved = self._manager.save(
                 step,
@@ -383,9 +385,11 @@ class Checkpointer:
     def _counted(self, step: int) -> bool:
         """Whether ``step`` counts among the ``keep`` checkpoints kept.
 
-        Sharded saves: as first seen by this manager. Every live process decides
-        which to let go (Orbax's delete has a barrier), while the primary may be
-        deleting one already: a fresh look at the disk would differ between them.
+        Sharded saves: as first seen by this manager, at the latest when a save
+        starts (every live process is then past the last delete's barrier, and
+        none deletes until the save ends). Every live process decides which to
+        let go (Orbax's delete has a barrier), while the primary may be deleting
+        one already: a fresh look at the disk would differ between them.
         """
         if self.group is None:
             return self._intact(step)

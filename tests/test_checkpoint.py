@@ -584,3 +584,27 @@ def test_sharded_saves_let_the_same_checkpoint_go_on_every_process(tmp_path, mon
     assert deleted == [1]
     assert ckpt.steps() == [2]
     ckpt.close()
+
+
+def test_a_resumed_sharded_checkpointer_lets_an_old_checkpoint_go_like_the_primary(
+    tmp_path, monkeypatch
+):
+    """A job that resumes finds checkpoints it did not save: each process counts them as they
+    are when its first save starts, so one that looks only after the primary has deleted the
+    oldest still lets it go with the others."""
+    ckpt, state, _ = _group_checkpointer(tmp_path, keep=1)
+    meta = {"param_checksum": 0.0, "state_digest": "-"}
+    ckpt.save(1, state, {"step": 1, **meta}, force=True)
+    ckpt.wait()
+    ckpt.close()
+    resumed, _, _ = _group_checkpointer(tmp_path, keep=1)
+    resumed.save(2, state, {"step": 2, **meta}, force=True)
+    resumed._manager.wait_until_finished()
+    (tmp_path / "ckpt" / "1" / "meta" / "metadata").unlink()  # the primary's delete under way
+    deleted = []
+    real = resumed._manager.delete
+    monkeypatch.setattr(resumed._manager, "delete", lambda step: (deleted.append(step), real(step)))
+    assert [s.step for s in resumed.wait()] == [2]
+    assert deleted == [1]
+    assert resumed.steps() == [2]
+    resumed.close()
