@@ -8,6 +8,8 @@ on the same parameters (fp32 round-off: rtol 1e-5, atol 1e-6).
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,7 +158,7 @@ GRID = [
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,r,m,policy", GRID)
 def test_matches_single_device_reference(mesh_shape, r, m, policy):
-    seed = hash((mesh_shape, r, m, policy)) % 2**31
+    seed = zlib.crc32(repr((mesh_shape, r, m, policy)).encode())  # hash() of a str varies by run
     step, state, ref, loads = run_spare("nnx", mesh_shape, r, m, policy, seed)
     assert max(loads) > m, "random failures must move work"
     assert_close(step.params(state), ref)
