@@ -564,24 +564,31 @@ def test_a_sharded_save_that_times_out_at_a_barrier_is_dropped_and_a_failed_writ
     ckpt.close()
 
 
+META = {"param_checksum": 0.0, "state_digest": "-"}
+
+
+def _confirm_step_2_while_step_1_is_deleted(ckpt, state, tmp_path, monkeypatch) -> list[int]:
+    """Save step 2 and confirm it after one of step 1's files is gone (the primary's delete
+    under way); the steps this process then lets go itself."""
+    ckpt.save(2, state, {"step": 2, **META}, force=True)
+    ckpt._manager.wait_until_finished()
+    (tmp_path / "ckpt" / "1" / "meta" / "metadata").unlink()
+    deleted = []
+    real = ckpt._manager.delete
+    monkeypatch.setattr(ckpt._manager, "delete", lambda step: (deleted.append(step), real(step)))
+    assert [s.step for s in ckpt.wait()] == [2]
+    return deleted
+
+
 def test_sharded_saves_let_the_same_checkpoint_go_on_every_process(tmp_path, monkeypatch):
     """Every live process of a sharded save lets the oldest checkpoint go once a new one is
     confirmed (Orbax's delete waits for all of them at a barrier), while the primary may have
     removed its files already: each counts a checkpoint complete as it first saw it, not as
     the disk looks now, so all of them decide alike."""
     ckpt, state, _ = _group_checkpointer(tmp_path, keep=1)
-    meta = {"param_checksum": 0.0, "state_digest": "-"}
-    ckpt.save(1, state, {"step": 1, **meta}, force=True)
+    ckpt.save(1, state, {"step": 1, **META}, force=True)
     assert [s.step for s in ckpt.wait()] == [1]
-    ckpt.save(2, state, {"step": 2, **meta}, force=True)
-    ckpt._manager.wait_until_finished()
-    # The primary's delete of step 1 under way: one of its files is gone.
-    (tmp_path / "ckpt" / "1" / "meta" / "metadata").unlink()
-    deleted = []
-    real = ckpt._manager.delete
-    monkeypatch.setattr(ckpt._manager, "delete", lambda step: (deleted.append(step), real(step)))
-    assert [s.step for s in ckpt.wait()] == [2]
-    assert deleted == [1]
+    assert _confirm_step_2_while_step_1_is_deleted(ckpt, state, tmp_path, monkeypatch) == [1]
     assert ckpt.steps() == [2]
     ckpt.close()
 
@@ -593,18 +600,10 @@ def test_a_resumed_sharded_checkpointer_lets_an_old_checkpoint_go_like_the_prima
     are when its first save starts, so one that looks only after the primary has deleted the
     oldest still lets it go with the others."""
     ckpt, state, _ = _group_checkpointer(tmp_path, keep=1)
-    meta = {"param_checksum": 0.0, "state_digest": "-"}
-    ckpt.save(1, state, {"step": 1, **meta}, force=True)
+    ckpt.save(1, state, {"step": 1, **META}, force=True)
     ckpt.wait()
     ckpt.close()
     resumed, _, _ = _group_checkpointer(tmp_path, keep=1)
-    resumed.save(2, state, {"step": 2, **meta}, force=True)
-    resumed._manager.wait_until_finished()
-    (tmp_path / "ckpt" / "1" / "meta" / "metadata").unlink()  # the primary's delete under way
-    deleted = []
-    real = resumed._manager.delete
-    monkeypatch.setattr(resumed._manager, "delete", lambda step: (deleted.append(step), real(step)))
-    assert [s.step for s in resumed.wait()] == [2]
-    assert deleted == [1]
+    assert _confirm_step_2_while_step_1_is_deleted(resumed, state, tmp_path, monkeypatch) == [1]
     assert resumed.steps() == [2]
     resumed.close()
