@@ -4,12 +4,17 @@
     python benchmarks/rejoin_state.py --sizes_mb=64,1200 --out=runs/rejoin_state
     python benchmarks/rejoin_state.py --case=stall --sizes_mb=16,64,256 --out=runs/rebuild
     python benchmarks/rejoin_state.py --sizes_mb=2200 --processes=2   # over 2 GiB, 2 workers
+    python benchmarks/rejoin_state.py --sizes_mb=512 --processes=4 --processes_per_group=2
 
 Each job is ``--processes`` workers (3 unless told) of one CPU device each
 (one group each, r = 2) under ``python -m spare_jax.launch``; the model is
 one float32 matrix of ``--sizes_mb`` trained with SGD (the loss touches
 every element, so every step's gradient and cross-group sum is the whole
-state).
+state). ``--processes_per_group=P`` makes each group P consecutive workers,
+the matrix sharded over them by rows (FSDP, an inner mesh axis ``fsdp``):
+each process holds 1/P of the state. A lost process then takes its group,
+the group's other workers leave (77), and all P are replaced and join
+together.
 
 ``--case=rejoin``: worker 1 SIGKILLs itself in the middle of step
 ``--kill_step`` (the launcher's injector, ``--replace_after_s=0``); the
@@ -50,6 +55,7 @@ import sys
 import tempfile
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -85,6 +91,12 @@ _PROCESSES = flags.DEFINE_integer(
     "and the replacement.",
     lower_bound=2,
 )
+_PER_GROUP = flags.DEFINE_integer(
+    "processes_per_group",
+    1,
+    "Workers per group (each holds 1/P of the state, sharded by rows); divides --processes.",
+    lower_bound=1,
+)
 _OUT = flags.DEFINE_string("out", "", "Directory for the jobs and rejoin_state.json (optional).")
 _ROLE = flags.DEFINE_enum("role", "driver", ["driver", "worker"], "Internal: worker mode.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Internal: the worker's work directory.")
@@ -95,9 +107,19 @@ def _loss(params, batch):
     return jnp.mean(batch["c"]) * jnp.mean(params["w"])
 
 
+def _groups() -> int:
+    return _PROCESSES.value // _PER_GROUP.value
+
+
+def _rows(size_mb: int) -> int:
+    """The matrix's rows: ``size_mb`` of float32, a multiple of the workers per group."""
+    per = _PER_GROUP.value
+    return -(-max(size_mb * 10**6 // (4 * COLS), 1) // per) * per
+
+
 def _batches(t: int) -> dict[str, np.ndarray]:
     """Step t's global batch: one number per micro-batch (2 per group)."""
-    return {"c": np.full((_PROCESSES.value * 2, 1), 1.0 + 0.01 * t, np.float32)}
+    return {"c": np.full((_groups() * 2, 1), 1.0 + 0.01 * t, np.float32)}
 
 
 def _peaks(workdir: str) -> dict[int, int]:
@@ -125,9 +147,16 @@ def _stall(workdir: str, seconds: float) -> dict[int, int]:
 
 def _worker() -> None:
     spare_jax.initialize()
-    mesh = spare_jax.make_mesh((1, _PROCESSES.value, 1))
-    step = spare_jax.make_train_step(_loss, optax.sgd(1e-3), mesh, redundancy=2, microbatches=2)
-    rows = max(_SIZE.value * 10**6 // (4 * COLS), 1)
+    per = _PER_GROUP.value
+    if per == 1:
+        mesh, specs = spare_jax.make_mesh((1, _PROCESSES.value, 1)), None
+    else:  # a group is `per` consecutive workers; the matrix is split over them by rows
+        mesh = spare_jax.make_mesh(f"data:1,redundancy:{_groups()},fsdp:{per}")
+        specs = {"w": jax.P("fsdp", None)}
+    step = spare_jax.make_train_step(
+        _loss, optax.sgd(1e-3), mesh, redundancy=2, microbatches=2, param_specs=specs
+    )
+    rows = _rows(_SIZE.value)
     try:
         spare_jax.fit(
             step,
@@ -167,6 +196,7 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         f"--size_mb={size_mb}",
         f"--steps={_STEPS.value}",
         f"--processes={_PROCESSES.value}",
+        f"--processes_per_group={_PER_GROUP.value}",
     ]
     event = "rejoin" if case == "rejoin" else "collectives_rebuilt"
     os.makedirs(workdir, exist_ok=True)
@@ -208,10 +238,11 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         last = re.findall(rf"{PEAK}(\d+)", log.read_text(errors="replace"))
         if last:
             peaks[int(log.stem.split("-")[1])] = int(last[-1])  # the last: a replacement's
-    state = max(size_mb * 10**6 // (4 * COLS), 1) * COLS * 4
+    state = _rows(size_mb) * COLS * 4
     figures = {
         "case": case,
         "processes": _PROCESSES.value,
+        "processes_per_group": _PER_GROUP.value,
         "size_mb": size_mb,
         "state_bytes": state,
         "exit": proc.returncode,
@@ -239,7 +270,8 @@ def _line(figures: dict) -> str:
         if "bytes" not in figures:
             return f"{size} MB: no re-join (exit {figures['exit']})"
         return (
-            f"{size} MB: re-joined without a relaunch: {ok}; "
+            f"{size} MB, {figures['processes_per_group']} process(es) a group: re-joined "
+            f"without a relaunch: {ok}; "
             f"{figures['bytes'] / 1e6:.0f} MB moved in {figures['move_s']:.2f} s "
             f"({figures['move_mb_s']:.0f} MB/s); replacement's start to its first step "
             f"{figures['join_s']:.1f} s; peak RSS / state per process "
@@ -269,13 +301,21 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--sizes_mb must be whole MB, got {_SIZES.value}") from None
     if any(s < 1 for s in sizes):
         raise app.UsageError(f"--sizes_mb must be >= 1, got {sizes}")
+    if _PROCESSES.value % _PER_GROUP.value or _groups() < 2:
+        raise app.UsageError(
+            f"--processes_per_group={_PER_GROUP.value} must divide --processes="
+            f"{_PROCESSES.value} into 2 groups or more"
+        )
     if _KILL_STEP.value >= _STEPS.value - 1:
         raise app.UsageError("--kill_step must leave steps for the re-join (< --steps - 1)")
     keep = cli.output_dir("out", _OUT.value) if _OUT.value else ""
     base = keep or tempfile.mkdtemp(prefix="spare_rejoin_state_")
     results = []
     for size in sizes:
-        workdir = os.path.join(base, f"{_CASE.value}-{size}mb-{_PROCESSES.value}p")
+        name = f"{_CASE.value}-{size}mb-{_PROCESSES.value}p"
+        if _PER_GROUP.value > 1:
+            name += f"-{_PER_GROUP.value}pg"
+        workdir = os.path.join(base, name)
         figures = _job(workdir, size, _CASE.value)
         results.append(figures)
         print(json.dumps(figures), flush=True)

@@ -3,8 +3,10 @@
 The survivors see the newcomer in a step's live-set check, on every process
 at once (`Admission._newcomers`); they hand it the state (`_admit`) and grow
 the mesh back (`_regrow`); the newcomer takes the state and the job's books
-(`_join`). The transport is `spare_jax.rejoin`. The same backend reset with
-no newcomer rebuilds collectives that a stalled peer left closed
+(`_join`). The replacements of a group spanning several processes join
+together, at the first check where all of them are live (`domains.whole`).
+The transport is `spare_jax.rejoin`. The same backend reset with no
+newcomer rebuilds collectives that a stalled peer left closed
 (`_rebuild_collectives`).
 """
 
@@ -16,12 +18,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental.multihost_utils import live_devices
+from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from jax.sharding import Mesh, NamedSharding
 
 from spare_jax import (
     broadcast,
     compile_cache,
+    domains,
     errors,
     multihost,
     rejoin,
@@ -52,52 +55,66 @@ class Admission:
     def _admit(self, epoch: rejoin.Epoch) -> None:
         """Survivors: hand the state to the newcomers of ``epoch`` and grow the mesh back.
 
-        Every survivor holds a full replica: each keeps its own shards on the
-        host across the backend reset and places them again; the writer's
-        group sends its replica to the newcomers' groups over the devices
-        (`spare_jax.broadcast`). Step ``t`` runs next, with every group of the
-        newcomers live.
+        Each survivor keeps its own shards on the host across the backend
+        reset and places them again; the processes of one live group (the
+        writer's) stream theirs to the newcomers' groups over the devices
+        (`spare_jax.broadcast`). No process holds more than its own shards,
+        so a group spanning processes is handed over alike. Step ``t`` runs
+        next, with every group of the newcomers live.
         """
-        if self.spanning:  # no process holds a replica to hand over (yet): start afresh
-            raise errors.Relaunch(
-                f"process(es) {epoch.joiners} came back at step {self.t}, but a group spanning "
-                "processes cannot take a replacement in a running job; a fresh job resumes"
-            )
         start = time.time()
         self._wait_for_saves()
-        host = jax.tree.leaves(multihost.local_view(self.state))
+        leaves = jax.tree.leaves(self.state)
+        shards = [multihost.own_shards(x) for x in leaves]
+        held = [broadcast.Held(own, x.shape) for own, x in zip(shards, leaves, strict=True)]
+        del leaves
         self.params0 = jax.tree.map(_host, self.params0)
         rows = self.live_groups
         if self._is_writer():
-            rejoin.send(epoch, self._record())
+            rejoin.send(epoch, {**self._record(), "joiners": epoch.joiners})
         self.state, self.step, self._ready, self._held = None, None, {}, {}
         rejoin.reset_backend(epoch, fresh=False)
         self._regrow(epoch, rows)
-        moved = self._move(rows, host)
-        shardings = [a.sharding for a in jax.tree.leaves(self._live_abstract())]
-        placed = multihost.from_local(host, shardings)
-        del host
+        moved = self._move(rows, held)
+        placed = [
+            multihost.from_shards(own, like)
+            for own, like in zip(shards, jax.tree.leaves(self._live_abstract()), strict=True)
+        ]
+        del shards, held
         self.state = jax.tree.unflatten(jax.tree.structure(self.global_abstract), placed)
         rejoin.done(epoch, moved.bytes)
         self._joined(epoch, start, moved)
 
     def _join(self) -> None:
         """A replacement: wait for the survivors to see us, take a live group's state, go on."""
-        with live_devices(self._all):
-            pass  # the first block every process sees us in: the survivors stop there too
         me = jax.process_index()
-        epoch = rejoin.Epoch(rejoin.live_incarnations(), [me])
-        start = time.time()
         self._at("join")
+        mates = np.unique(self.owners[domains.domain_of(self.owners, me)]).tolist()
+        waiting: list[int] = []
+        while True:  # the first block we can run in: the survivors stop there too
+            try:
+                with live_devices(self._all) as live:
+                    procs = {d.process_index for d in live}
+            except ProcessFailureError:
+                continue  # a loss the survivors saw in the same block: not ours to handle
+            if me in domains.whole(self.owners, procs):
+                break
+            missing = [p for p in mates if p not in procs]  # their replacements are not live
+            if missing != waiting:
+                runlog.notice(f"waiting for process(es) {missing} of our group to join with")
+                waiting = missing
+        epoch = self._epoch([me])
+        start = time.time()
         rejoin.announce(epoch)
         rejoin.reset_backend(epoch, fresh=True)
         meta = rejoin.receive(epoch)
+        epoch = rejoin.Epoch(epoch.live, [int(p) for p in meta["joiners"]])
         self.t, self.attempt = int(meta["step"]), int(meta["attempt"])
         self.failures.load_state_dict(meta["liveness"])
         self.interval.load(meta["interval"])
         self.lost_processes = [int(p) for p in meta["lost_processes"]]
         self.writer_process, self.rollbacks = int(meta["writer"]), int(meta["rollbacks"])
-        self.members = {p for p in epoch.processes if p != me}
+        self.members = set(epoch.survivors)
         rows = [int(g) for g in meta["rows"]]
         self._regrow(epoch, rows)
         moved = self._move(rows, None)
@@ -125,7 +142,7 @@ class Admission:
         self.params0 = jax.tree.map(_host, self.params0)
         live = self.live_groups
         name = f"rebuild/{self.rollbacks}/{self.t}/{self._transient}"  # the same on every process
-        epoch = rejoin.Epoch(rejoin.live_incarnations(), [], name=name)
+        epoch = self._epoch([], name=name)
         self.state, self.step, self._ready, self._held = None, None, {}, {}
         try:
             rejoin.reset_backend(epoch, fresh=False)
@@ -247,10 +264,20 @@ class Admission:
         )
 
     def _newcomers(self, live: Sequence[jax.Device]) -> list[int]:
-        """Processes this block's live set shows that are not on our mesh (a re-join)."""
-        return sorted({d.process_index for d in live} - self.members)
+        """Processes this block's live set shows that are not on our mesh (a re-join).
 
-    @staticmethod
-    def _epoch(joiners: list[int]) -> rejoin.Epoch | None:
-        """The re-join, named by the live set every process holds after the block."""
-        return rejoin.Epoch(rejoin.live_incarnations(), joiners) if joiners else None
+        A replacement for one process of a group spanning several counts
+        only once its group-mates' replacements are live too
+        (`domains.whole`); until then it waits in every block.
+        """
+        procs = {d.process_index for d in live}
+        if procs <= self.members:  # every step but a re-join's
+            return []
+        return sorted(set(domains.whole(self.owners, procs)) - self.members)
+
+    def _epoch(self, joiners: list[int], name: str = "") -> rejoin.Epoch:
+        """The change, named by the live set every process holds after the block, less any
+        newcomer still waiting for its group-mates (the same on every process)."""
+        live = rejoin.live_incarnations()
+        ready = set(domains.whole(self.owners, live))
+        return rejoin.Epoch({p: i for p, i in live.items() if p in ready}, joiners, name=name)

@@ -52,6 +52,7 @@ from spare_jax import mesh as mesh_lib
 __all__ = [
     "CHUNK_BYTES",
     "SCHEDULES",
+    "Held",
     "Layout",
     "Moved",
     "Piece",
@@ -157,7 +158,34 @@ def layout(
     return Layout(pieces, find, grid, chunk_bytes, chunks, at)
 
 
-def _stream(pieces: Sequence[Piece], host: Sequence[np.ndarray], chunk_bytes: int):
+class Held:
+    """A sender's leaf as the shards its process holds, read by a piece's index.
+
+    A process of a group spanning several holds no whole leaf, and needs
+    none: its devices stream only the pieces at their own inner coordinates,
+    which are its own shards. ``shards`` maps each shard's index, as
+    ``(start, stop, step)`` per dimension, to its data (`multihost.own_shards`).
+    """
+
+    def __init__(self, shards: dict[tuple, np.ndarray], shape: Sequence[int]):
+        self.shape = tuple(shape)
+        self._by = {self._key([slice(*k) for k in key]): v for key, v in shards.items()}
+
+    def _key(self, index: Sequence[slice]) -> tuple:
+        return tuple(s.indices(n) for s, n in zip(index, self.shape, strict=True))
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        try:
+            return self._by[self._key(index)]
+        except KeyError:
+            raise ValueError(f"this process holds no shard at {index} of a {self.shape} leaf")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self._by.values())
+
+
+def _stream(pieces: Sequence[Piece], host: Sequence[Any], chunk_bytes: int):
     """A sender's chunks for one device: its pieces' bytes in order, zero padding between."""
     buf, pos = np.zeros(chunk_bytes, np.uint8), 0
     for p in pieces:
@@ -248,14 +276,15 @@ def send_and_receive(
     mesh: Mesh,
     plan: Layout,
     source_row: int,
-    host: Sequence[np.ndarray] | None,
+    host: Sequence[Any] | None,
     schedule: str = "auto",
 ) -> tuple[dict[int, np.ndarray], Transfer]:
     """Run the transfer; every process with a device on ``mesh`` calls it.
 
     A process of the source row passes its host copy of the leaves
-    (``host``) and gets ``{}``; a receiver passes ``None`` and gets each of
-    its devices' stream (device id -> bytes). Rows other than the source
+    (``host``: whole arrays, or its own shards of each as `Held`) and gets
+    ``{}``; a receiver passes ``None`` and gets each of its devices' stream
+    (device id -> bytes). Rows other than the source
     send zeros. ``schedule``: ``auto`` (`pipelined` decides), ``chain`` or
     ``doubling``; every process passes the same.
     """
@@ -351,7 +380,7 @@ def move(
     mesh: Mesh,
     source_row: int,
     abstract: Sequence[Any],
-    host: Sequence[np.ndarray] | None,
+    host: Sequence[Any] | None,
     chunk_bytes: int = CHUNK_BYTES,
     schedule: str = "auto",
 ) -> Moved:
@@ -359,8 +388,9 @@ def move(
 
     ``abstract`` leaves carry the shardings the receivers' arrays go on (of a
     mesh over the same devices, or more); the source row's processes pass
-    their host copy. Any process may call it: one with no device on ``mesh``
-    only learns the byte count.
+    their host copy (whole leaves, or their own shards as `Held`). Any
+    process may call it: one with no device on ``mesh`` only learns the byte
+    count.
     """
     specs = [a.sharding.spec for a in abstract]
     plan = layout(mesh, abstract, specs, chunk_bytes)

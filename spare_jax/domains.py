@@ -41,7 +41,7 @@ from spare_jax import compile_cache, slots
 from spare_jax import mesh as mesh_lib
 from spare_jax import step as step_fns
 
-__all__ = ["Split", "domain_of", "failure_domains", "lift", "view"]
+__all__ = ["Split", "domain_of", "failure_domains", "lift", "view", "whole"]
 
 
 def failure_domains(owners: np.ndarray) -> np.ndarray:
@@ -71,6 +71,21 @@ def domain_of(owners: np.ndarray, process: int) -> np.ndarray:
     domains = failure_domains(owners)
     mine = np.unique(domains[(np.asarray(owners) == process).any(axis=1)])
     return np.flatnonzero(np.isin(domains, mine))
+
+
+def whole(owners: np.ndarray, live: Any) -> list[int]:
+    """The processes of ``live`` whose failure domain has all its processes in ``live``.
+
+    Only these can run: a replacement for one process of a group spanning
+    several waits until its group-mates' replacements are live too. Every
+    process computes the same list from the same live set.
+    """
+    owners = np.asarray(owners)
+    live = sorted({int(p) for p in live})
+    domain = failure_domains(owners)
+    short = np.unique(domain[~np.isin(owners, live).all(axis=1)])
+    out = set(np.unique(owners[np.isin(domain, short)]).tolist())
+    return [p for p in live if p not in out]
 
 
 def view(x: Any, sharding: NamedSharding, shape: Sequence[int] | None = None) -> jax.Array:

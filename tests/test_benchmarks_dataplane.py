@@ -218,12 +218,19 @@ def test_state_benchmark_on_gpu_says_it_needs_three(tmp_path):
 
 
 @pytest.mark.slow  # starts processes: run after the README's command
-@pytest.mark.parametrize("processes", [2, 3])
-def test_rejoin_state_benchmark_tiny(tmp_path, processes):
+@pytest.mark.parametrize(
+    "processes, per_group", [(2, 1), (3, 1), (4, 2)], ids=["2", "3", "4 spanning"]
+)
+def test_rejoin_state_benchmark_tiny(tmp_path, processes, per_group):
     """A 16 MB state re-joins through fit: no relaunch, every byte of it moved, peaks recorded
-    (2 workers: the lone survivor sends it, as in the benchmark's run over 2 GiB)."""
+    (2 workers: the lone survivor sends it, as in the benchmark's run over 2 GiB; 4 in
+    groups of 2: both of the lost group's workers replaced, the state sent from halves)."""
     result = _run(
-        "rejoin_state.py", "--sizes_mb=16", f"--processes={processes}", f"--out={tmp_path}"
+        "rejoin_state.py",
+        "--sizes_mb=16",
+        f"--processes={processes}",
+        f"--processes_per_group={per_group}",
+        f"--out={tmp_path}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = [
@@ -233,6 +240,7 @@ def test_rejoin_state_benchmark_tiny(tmp_path, processes):
     assert record["bytes"] >= record["state_bytes"], record  # the whole state, once
     assert _positive(record["move_s"]) and _positive(record["join_s"]), record
     assert record["processes"] == processes, record
+    assert record["processes_per_group"] == per_group, record
     assert sorted(record["peak_rss_over_state"]) == [str(p) for p in range(processes)], record
     assert "re-joined without a relaunch: True" in result.stdout, result.stdout
 

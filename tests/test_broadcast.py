@@ -46,7 +46,10 @@ def _run(
     chunk_bytes: int,
     seed: int = 0,
     schedule: str = "auto",
+    held: bool = False,
 ):
+    """``held``: the source sends from its own shards only (`broadcast.Held`), as a process
+    of a group spanning several does, not from whole host arrays."""
     mesh = _mesh()
     by_group = multihost.group_devices(mesh)
     groups = sorted({source_group, *receivers})
@@ -54,13 +57,22 @@ def _run(
     pairs = _leaves(np.random.default_rng(seed))
     leaves, specs = [x for x, _ in pairs], [s for _, s in pairs]
     plan = broadcast.layout(moving, leaves, specs, chunk_bytes)
+    host = [_held(x, s, mesh, by_group[source_group]) for x, s in pairs] if held else leaves
     received, transfer = broadcast.send_and_receive(
-        moving, plan, groups.index(source_group), leaves, schedule
+        moving, plan, groups.index(source_group), host, schedule
     )
     target = multihost.survivors_mesh(by_group, receivers, mesh)
     shardings = [NamedSharding(target, s) for s in specs]
     out = broadcast.assemble(plan, received, leaves, shardings)
     return leaves, out, plan, transfer
+
+
+def _held(x: np.ndarray, spec, mesh, devices) -> broadcast.Held:
+    """The shards of ``x`` (placed on ``mesh``) that ``devices`` hold, and nothing else."""
+    placed = jax.device_put(x, NamedSharding(mesh, spec))
+    mine = [s for s in placed.addressable_shards if s.device in devices]
+    shards = {tuple((i.start, i.stop, i.step) for i in s.index): np.asarray(s.data) for s in mine}
+    return broadcast.Held(shards, x.shape)
 
 
 @settings(max_examples=12, deadline=None)
@@ -132,3 +144,24 @@ def test_bad_input_says_what_is_wrong():
         broadcast.send_and_receive(mesh, plan, 0, None)
     with pytest.raises(ValueError, match="one of"):
         broadcast.send_and_receive(mesh, plan, 0, [np.ones(3, np.float32)], "ring")
+
+
+@pytest.mark.parametrize("schedule", ["chain", "doubling"])
+def test_a_source_holding_only_its_own_shards_sends_every_bit(schedule):
+    """A spanning group's process holds no whole leaf: streamed from its shards alone."""
+    leaves, out, _, _ = _run(1, [0, 2, 3], 64, seed=3, schedule=schedule, held=True)
+    for want, got in zip(leaves, out, strict=True):
+        for shard in got.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes()
+
+
+def test_held_shards_are_only_those_of_the_devices_given():
+    mesh = _mesh()
+    x = np.arange(48, dtype=np.float32).reshape(6, 8)
+    one = multihost.group_devices(mesh)[0][:1]  # one device: half of a ("model") leaf
+    held = _held(x, P(None, "model"), mesh, one)
+    assert held.nbytes == x.nbytes // 2
+    np.testing.assert_array_equal(held[(slice(None), slice(0, 4))], x[:, :4])
+    np.testing.assert_array_equal(held[(slice(0, 6), slice(0, 4, 1))], x[:, :4])  # same index
+    with pytest.raises(ValueError, match="holds no shard"):
+        held[(slice(None), slice(4, 8))]

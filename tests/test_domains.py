@@ -58,6 +58,29 @@ def test_failure_domains_join_groups_that_share_a_process(groups, per, procs, se
         assert np.unique(got[mine]).size == 1
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    groups=st.integers(1, 10),
+    per=st.integers(1, 3),
+    procs=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_whole_keeps_the_live_processes_whose_domains_are_all_live(groups, per, procs, seed):
+    """The brute-force reading: a process can run when every process of its failure domain
+    (the groups linked to its own by shared processes) is live."""
+    rng = np.random.default_rng(seed)
+    owners = rng.integers(0, procs, size=(groups, per))
+    live = {int(p) for p in range(procs) if rng.random() < 0.7}
+    got = domains.whole(owners, live)
+    label = reference_domains(owners)
+    members = {d: set(owners[label == d].ravel().tolist()) for d in set(label.tolist())}
+    mine = {p: {d for d in members if p in members[d]} for p in range(procs)}
+    want = [p for p in sorted(live) if all(members[d] <= live for d in mine[p])]
+    assert got == want
+    assert domains.whole(owners, got) == got  # what can run, runs on its own
+    assert domains.whole(owners, range(procs)) == list(range(procs))
+
+
 def test_failure_domains_of_common_layouts():
     one_each = np.arange(4)[:, None]
     np.testing.assert_array_equal(domains.failure_domains(one_each), [0, 1, 2, 3])

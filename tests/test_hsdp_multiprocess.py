@@ -49,7 +49,7 @@ def env(tmp_path_factory):
     return lj.env(tmp_path_factory.mktemp("jax_cache"))
 
 
-def reference(groups: int) -> dict[str, np.ndarray]:
+def reference(groups: int, steps: int = STEPS) -> dict[str, np.ndarray]:
     """regression.py's model trained failure-free on one device with jax.grad."""
     dev = jax.devices()[0]
     params = jax.device_put(regression.init_params(), dev)
@@ -57,11 +57,15 @@ def reference(groups: int) -> dict[str, np.ndarray]:
     opt = tx.init(params)
     grad = jax.jit(jax.grad(regression.loss_fn))
     rows = groups * regression.MICROBATCHES * regression.ROWS
-    for t in range(STEPS):
+    for t in range(steps):
         batch = jax.device_put(regression.batches(t, rows), dev)
         updates, opt = tx.update(grad(params, batch), opt, params)
         params = optax.apply_updates(params, updates)
     return {k: np.asarray(v) for k, v in params.items()}
+
+
+def worker_log(workdir, process: int) -> str:
+    return (workdir / "launch" / f"worker-{process}.log").read_text(errors="replace")
 
 
 def rows_loaded(workdir, process: int) -> int:
@@ -246,3 +250,49 @@ def test_a_spanning_job_resumes_and_rolls_back_exactly(env, tmp_path):
     lj.assert_params(tmp_path, reference(groups), range(processes))
     lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
     lj.no_process_left(tmp_path)
+
+
+def test_a_spanning_group_lost_is_replaced_and_rejoins_exactly(env, tmp_path):
+    """4 x 2 (`fsdp:2,tensor:2`), ``--replace_after_s=0.5 --spares=1``: worker 2 SIGKILLed
+    at step 8. Its group is masked and its mate leaves (77); the launcher replaces both,
+    one from the warm spare (imports done) and one started afresh, seconds later. The
+    first waits in the live-set check (saying for whom) until the other is live too;
+    both then join at one block, and the live group streams its state to them, each of
+    its processes sending only its own shards. No relaunch, no rollback; both groups
+    live at the end; all four processes exact."""
+    processes, devices, mesh, groups, _parts, victim, mate = CASES["4x2_fsdp_tensor"]
+    steps = 400  # long enough for two replacements, a heartbeat apart, to start and join
+    flags = ("--replace_after_s=0.5", "--spares=1")
+    command = _launcher(tmp_path, processes, devices, mesh, steps, 50, *flags)
+    job = lj.Job(command, tmp_path, env)
+    try:
+        job.wait_for(job.step_reached(8), timeout=400, what="step 8")
+        job.signal(victim, signal.SIGKILL)
+        job.wait_for(
+            lambda: lj.events(tmp_path, "rejoin") or lj.gloo_aborted(tmp_path),
+            timeout=400,
+            what="the re-join",
+        )
+        code = job.finish(timeout=400)
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    lj.assert_params(tmp_path, reference(groups, steps), range(processes))
+    lj.no_process_left(tmp_path)
+    if lj.gloo_aborted(tmp_path):  # CPU only (docs/multihost.md, "neighbour aborts")
+        assert lj.events(tmp_path, "relaunch")
+        return
+    said = job.output()
+    for p in (victim, mate):
+        assert f"starting a replacement for worker {p}" in said, said[-3000:]
+    assert re.search(r"spare 1 takes worker [23]'s place", said), said[-3000:]
+    waited = [p for p in (victim, mate) if "waiting for process(es)" in worker_log(tmp_path, p)]
+    assert len(waited) == 1, said[-3000:]  # the spare, for the one started afresh
+    (rejoined,) = lj.events(tmp_path, "rejoin")
+    assert rejoined["process"] == [victim, mate] and rejoined["groups"] == [1], rejoined
+    assert rejoined["bytes"] > 0 and rejoined["move_mb_s"] > 0, rejoined
+    for name in ("relaunch", "rollback", "resume"):
+        assert not lj.events(tmp_path, name), name
+    records = [r for r in lj.records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(steps)), "no step repeated or missed"
+    assert records[-1]["live_groups"] == groups
