@@ -11,7 +11,9 @@ without a relaunch. Every surviving process's parameters equal a
 single-device `jax.grad` + optax run over the same batches (rtol 1e-5,
 atol 1e-6); every step read ``r * m * b / parts`` rows per held group. A
 process stopped past the collective timeout instead is ridden out on rebuilt
-collectives, each process keeping only its own shards.
+collectives, each process keeping only its own shards. With replacements
+(``--replace_after_s``), both processes of a lost group come back and join
+together, exact.
 
 Slow (each test is one multi-process job of 1-3 minutes on 2 cores).
 """
@@ -69,7 +71,7 @@ def worker_log(workdir, process: int) -> str:
 
 
 def rows_loaded(workdir, process: int) -> int:
-    log = (workdir / "launch" / f"worker-{process}.log").read_text(errors="replace")
+    log = worker_log(workdir, process)
     return int(re.findall(r"done: step \d+, loss \S+, rows loaded (\d+)", log)[-1])
 
 
