@@ -46,14 +46,12 @@ the running job through `spare_jax.rejoin` (hot re-join).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import json
 import os
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,7 +59,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from spare_jax import checks, domains, errors, jax_internals, rejoin, runlog
+from spare_jax import checks, domains, errors, exiting, jax_internals, rejoin, runlog
 from spare_jax import mesh as mesh_lib
 from spare_jax.job_env import ENV
 
@@ -89,6 +87,8 @@ __all__ = [
     "survivors_mesh",
     "with_flags",
 ]
+
+leave = exiting.leave  # re-exported: leave the job with a bound
 
 # What a launcher tells each worker (torchrun's RANK and WORLD_SIZE, in our names).
 EXIT_DECLARED_DEAD = 76  # a worker the job declared dead (a stall past the heartbeat) woke up
@@ -259,7 +259,7 @@ def initialize_job(
     if devices is not None:
         jax.config.update("jax_num_cpu_devices", checks.integer("local_devices", devices, low=1))
     if address is None and count is None and index is None:
-        _install_exit_handlers(joined=False)
+        exiting.install_handlers(joined=False)
         return False
     if None in (address, count, index):
         raise ValueError(
@@ -288,7 +288,7 @@ def initialize_job(
     )
     if os.environ.get(ENV["replacement"]):
         rejoin.prepare_backend(index)
-    _install_exit_handlers(joined=True)
+    exiting.install_handlers(joined=True)
     runlog.emit("hello", process=index, pid=os.getpid(), host=socket.gethostname())
     return True
 
@@ -305,46 +305,6 @@ def _take_a_place() -> None:
         os._exit(0)
     os.environ.pop(ENV["spare"], None)
     os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
-
-
-def leave(timeout_s: float = 15.0) -> bool:
-    """Leave the job without waiting on dead peers for more than ``timeout_s``; True if left."""
-    done = threading.Thread(target=jax.distributed.shutdown, daemon=True)
-    done.start()
-    done.join(timeout_s)
-    return not done.is_alive()
-
-
-def _install_exit_handlers(*, joined: bool) -> None:
-    """An uncaught `errors.FitError` exits with its status on one line; the exit never hangs.
-
-    A process whose peers died can wait a long time in JAX's own shutdown:
-    at exit it leaves the job with a bound, then ends.
-    """
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        if isinstance(value, errors.FitError):
-            sys.stderr.write(f"{os.path.basename(sys.argv[0] or 'python')}: {value}\n")
-            sys.stderr.flush()
-            runlog.emit("exit", status=value.exit_status)
-            sys.stdout.flush()
-            if joined:
-                leave()
-            os._exit(value.exit_status)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-    if not joined:
-        return
-
-    def bounded_exit() -> None:
-        if not leave():
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-
-    atexit.register(bounded_exit)  # runs before JAX's own (registered earlier)
 
 
 def global_mesh(shape: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
