@@ -52,6 +52,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from spare_jax import analysis, checkpoint, cli, liveness, strategies, trainer
+from spare_jax import mesh as mesh_lib
 
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
@@ -239,7 +240,7 @@ def main(argv: list[str]) -> None:
     _quiet_orbax()
     run = experiment.setup(config)
     state, step_s = step_time(run, _STEPS.value)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.params))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(mesh_lib.shaped(run.init)))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     print(
         f"devices: {jax.device_count()} x {jax.devices()[0].platform}, host cores: "

@@ -7,7 +7,8 @@
         python experiments/regression.py --workdir=runs/hsdp \\
         --mesh=data:1,redundancy:4,fsdp:2 --input=units
 
-A two-layer MLP written as a plain dict of arrays, a squared loss, AdamW, a
+A two-layer MLP written as a plain dict of arrays (given to `fit` as the
+function that builds it), a squared loss, AdamW, a
 mesh of 4 groups of 2 devices (r = 2, m = 2), and batches that are a pure
 function of the step. ``--mesh`` takes the three sizes ``data,redundancy,model``
 (parameters replicated in a group) or named axes: the first inner axis shards
@@ -84,6 +85,13 @@ def init_params(seed: int = 0) -> dict[str, np.ndarray]:
         "w2": (rng.normal(size=(16, 1)) / 4).astype(np.float32),
         "b2": np.zeros(1, np.float32),
     }
+
+
+def initial_params() -> dict[str, jax.Array]:
+    """`init_params` in the form `fit` takes at scale: a function of no arguments, which
+    it runs as one program born in the parameters' shards, and only when the job starts
+    afresh (a resumed job or a replacement takes the state, never builds it)."""
+    return jax.tree.map(jnp.asarray, init_params())
 
 
 def loss_fn(params, batch):
@@ -166,7 +174,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--mesh: {err}") from None
     result = spare_jax.fit(
         step,
-        init_params(),
+        initial_params,
         functools.partial(batches, rows=groups * MICROBATCHES * ROWS)
         if _INPUT.value == "global"
         else unit_batches,

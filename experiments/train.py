@@ -306,7 +306,7 @@ def _train(run, failures, workdir, config, joined) -> int:
     try:
         result = spare_jax.fit(
             run.step,
-            run.params,
+            run.init,  # built in its shards, and only when the job starts afresh
             run.batch,
             steps=int(config.steps),
             workdir=workdir,

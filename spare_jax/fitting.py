@@ -212,7 +212,13 @@ def fit(
 
     Args:
         step: from `spare_jax.make_train_step`, over the whole job's mesh.
-        params: the initial parameters (any pytree of NumPy or JAX arrays).
+        params: the initial parameters (any pytree of NumPy or JAX arrays), or
+            a function of no arguments that builds them. `fit` runs the
+            function as one program whose outputs are born in their shards
+            (no process holds a whole parameter), and only when it starts
+            afresh: a resumed job, a relaunch or a replacement traces it for
+            the shapes alone. The form for a model larger than one device, and
+            the quicker re-join.
         batches: the input, a pure function of the step (`spare_jax.inputs`):
             ``batches(t)`` -> the failure-free global batch of step ``t`` (``G * m * b``
             rows, the same on every process), or ``batches(t, units)`` -> only the

@@ -60,6 +60,7 @@ __all__ = [
     "put",
     "replicated",
     "ring_size",
+    "shaped",
 ]
 
 AXES: tuple[str, str, str] = ("data", "redundancy", "model")  # the three-number form's names
@@ -274,6 +275,11 @@ def check_batch_axes(batch_axes: Any, mesh: Mesh) -> tuple[str, ...]:
     if len(set(axes)) != len(axes):
         raise ValueError(f"batch_axes names an axis twice: {axes}")
     return axes
+
+
+def shaped(params: Any) -> Any:
+    """Parameters given as a function of no arguments: the shapes it returns (no compute)."""
+    return jax.eval_shape(params) if callable(params) else params
 
 
 def put(value: Any, sharding: NamedSharding) -> jax.Array:

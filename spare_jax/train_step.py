@@ -3,20 +3,17 @@
 Owns `SpareStep` (built by `make_train_step`): the one wrapper that adds
 shardings, donation, the compiled slot bound and the one cache of slot tables.
 
-**Inputs.** A user passes the failure-free global batch (a pytree whose leaves
-have ``G * m * b`` rows; micro-batch ``(g, j)`` is rows ``[(g*m + j) b, (g*m +
-j + 1) b)``) and a live mask. `SpareStep` lays the batch out as stacks (each
-group gets its ``r`` shards, `spare_jax.slots.unit_ids`), and turns the live
-mask into a `Slots` table (`slots.for_live_set`, cached per live set). The
-batch never changes with the live set; who computes what does. (A process may
-instead read only its own groups' units: `spare_jax.inputs`.)
+**Inputs.** The failure-free global batch (leaves of ``G * m * b`` rows;
+micro-batch ``(g, j)`` is rows ``[(g*m + j) b, (g*m + j + 1) b)``), laid out
+as stacks (each group its ``r`` shards, `spare_jax.slots.unit_ids`), or only
+this process's units (`spare_jax.inputs`); and a live mask, turned into a
+`Slots` table (`slots.for_live_set`, cached per live set). The batch never
+changes with the live set; who computes what does.
 
 **The step** is `spare_jax.step`'s pure functions (each group's weighted sum
-over its slots, one masked ``psum`` across groups, the update): one process
-runs them fused (`step.train_step`); a multi-process job runs them as two
-programs (``split``) so that only the update, which crosses no group, takes
-the donated state.
-
+over its slots, one masked ``psum`` across groups, the update): fused in one
+process (`step.train_step`); two programs in a multi-process job (``split``),
+so that only the update, which crosses no group, takes the donated state.
 The table is runtime data: a new live set is new arrays, not a new program,
 until a table needs more slots than were compiled (the default bound, the
 stack size ``r * m``, no exact assignment exceeds).
@@ -126,6 +123,7 @@ class SpareStep:
 
     def state_shardings(self, params: Any) -> TrainState:
         """NamedShardings of the train state for parameters shaped like ``params``."""
+        params = mesh_lib.shaped(params)
         specs = self.param_specs
         if specs is None:
             specs = jax.tree.map(lambda _: PartitionSpec(), params)
@@ -147,6 +145,7 @@ class SpareStep:
 
     def abstract_state(self, params: Any) -> TrainState:
         """Shapes, dtypes and shardings of the state (a restore target for Orbax)."""
+        params = mesh_lib.shaped(params)
         shardings = self.state_shardings(params)
         shapes = jax.eval_shape(
             lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p)), params
@@ -156,8 +155,13 @@ class SpareStep:
         )
 
     def init(self, params: Any) -> TrainState:
-        """A fresh state: ``params`` (any pytree of arrays) placed, optimizer state initialised."""
+        """A fresh state: ``params`` placed, optimizer state initialised. ``params``: a
+        pytree of arrays, or a function of no arguments returning one (run as one
+        program whose outputs are born in their shards, never whole on one device)."""
         shardings = self.state_shardings(params)
+        if callable(params):
+            fresh = lambda: TrainState(jnp.zeros((), jnp.int32), p := params(), self.tx.init(p))
+            return jax.jit(fresh, out_shardings=shardings)()
         placed = jax.tree.map(mesh_lib.put, params, shardings.params)
         opt_state = jax.tree.map(mesh_lib.put, self.tx.init(placed), shardings.opt_state)
         step = mesh_lib.put(np.zeros((), np.int32), self._rep)
@@ -179,9 +183,8 @@ class SpareStep:
 
         Raises:
             reorder.Interruption: some shard has no live holder.
-            ValueError: ``alive`` is not a bool array of length ``groups``, or
-                marks live a group that has no devices on this mesh; ``speeds``
-                is not ``groups`` finite values >= 0, or the policy is not adaptive.
+            ValueError: ``alive`` not ``groups`` bools, or live where this mesh has no
+                devices; ``speeds`` not ``groups`` values >= 0, or a policy not adaptive.
         """
         alive = checks.bool_mask("alive", alive, self.groups)
         if speeds is not None:

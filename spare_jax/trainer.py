@@ -92,7 +92,7 @@ class Trainer(Saving, ProcessLoss, Admission, Balancing):
 
     Args:
         step: the SPARe step (`spare_jax.make_train_step`) over the whole job's mesh.
-        params: the initial parameters (any pytree of NumPy or JAX arrays).
+        params: the initial parameters, or a function that builds them (`SpareStep.init`).
         batches: ``batches(t)``, the failure-free global batch of step ``t``; pure in ``t``.
         workdir: ``metrics.jsonl``, ``summary.json`` and ``checkpoints/`` live here.
         steps: the run's length.

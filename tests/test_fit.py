@@ -76,6 +76,25 @@ def test_a_rerun_resumes_and_a_longer_one_continues(tmp_path):
     assert steps == list(range(STEPS)), "each step once: the rerun started where the last ended"
 
 
+def test_params_given_as_a_function_are_built_once_and_only_when_starting_afresh(tmp_path):
+    import jax
+
+    built = []  # entries while the building program runs (a trace records nothing)
+
+    def build():
+        jax.debug.callback(lambda: built.append(1))
+        return regression.initial_params()
+
+    step = _step()
+    first = spare_jax.fit(step, build, regression.batches, steps=8, workdir=str(tmp_path))
+    ran = len(built)
+    assert ran >= 1
+    _same(first.params, lj.reference_params(8))
+    longer = spare_jax.fit(step, build, regression.batches, steps=STEPS, workdir=str(tmp_path))
+    assert len(built) == ran, "a resumed job takes the checkpoint's state and builds nothing"
+    _same(longer.params, lj.reference_params(STEPS))
+
+
 def test_jax_array_params_and_batches_are_taken_as_they_are(tmp_path):
     import jax
 

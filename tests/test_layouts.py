@@ -174,6 +174,22 @@ def test_split_reduce_then_update_equals_the_fused_step(seed, layout):
     assert_close(jax.device_get(a.params), jax.device_get(b.params))
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_parameters_given_as_a_function_are_born_in_their_shards(layout):
+    step = make_step(layout)
+    build = lambda: jax.tree.map(jnp.asarray, init_params())
+    assert step.abstract_state(build) == step.abstract_state(init_params())
+    born, placed = step.init(build), step.init(init_params())
+    for a, b in zip(jax.tree.leaves(born), jax.tree.leaves(placed), strict=True):
+        assert a.sharding == b.sharding and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    batch = global_batch(0, step.groups)
+    alive = np.ones(step.groups, bool)
+    a, _ = step(born, batch, alive)
+    b, _ = step(placed, batch, alive)
+    assert_close(jax.device_get(a.params), jax.device_get(b.params))
+
+
 def test_bf16_parameters_sum_in_fp32():
     """bf16 parameters train (no XLA abort), summed in fp32: close to an fp32-summed reference."""
     tx = optax.sgd(0.1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ __all__ = [
     "init_params",
     "loss_fn",
     "next_token_loss",
+    "param_initializer",
     "param_logical_axes",
     "param_specs",
 ]
@@ -193,6 +195,18 @@ def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
     """
     graphdef, state = nnx.split(TransformerLM(cfg, nnx.Rngs(params=seed)))
     return graphdef, nnx.to_pure_dict(state)
+
+
+def param_initializer(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Callable[[], Params]]:
+    """The graph definition, and a function of no arguments that builds the parameters.
+
+    The same parameters as `init_params`, but not built yet: `spare_jax.fit`
+    runs the function as one program whose outputs are born in their shards,
+    and only where their values are needed (a resumed job or a replacement
+    takes the state from a checkpoint or a live group instead).
+    """
+    model = lambda: TransformerLM(cfg, nnx.Rngs(params=seed))
+    return nnx.graphdef(nnx.eval_shape(model)), lambda: nnx.to_pure_dict(nnx.state(model()))
 
 
 def param_logical_axes(params: Params) -> Params:

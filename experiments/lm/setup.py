@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -106,9 +107,14 @@ class Run:
 
     config: ml_collections.ConfigDict
     step: step_lib.SpareStep
-    params: Any
+    init: Callable[[], Any]  # builds the initial parameters: `fit` runs it in their shards
     source: data_lib.TokenSource
     units: int
+
+    @functools.cached_property
+    def params(self) -> Any:
+        """The initial parameters, built here on first use (eagerly, on this process)."""
+        return self.init()
 
     @property
     def groups(self) -> int:
@@ -165,8 +171,8 @@ def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = No
     mesh = mesh_lib.make_mesh(mesh_axes(config)) if mesh is None else mesh
     kind = strategies.canonical(config.strategy)
     cfg = model_lib.ModelConfig(**config.model)
-    graphdef, params = model_lib.init_params(cfg, config.seed)
-    specs, batch_axes = layout(mesh, params)
+    graphdef, init = model_lib.param_initializer(cfg, config.seed)  # built where needed
+    specs, batch_axes = layout(mesh, mesh_lib.shaped(init))
     tx = make_optimizer(
         config.learning_rate,
         config.warmup_steps,
@@ -187,4 +193,4 @@ def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = No
         slot_bound=int(config.slot_bound) or None,
     )
     units = step.placement.shards * step.placement.shard_units * step.microbatches
-    return Run(config, step, params, _source(config), units)
+    return Run(config, step, init, _source(config), units)
