@@ -7,6 +7,7 @@ NaN or infinity never slips through a comparison (``nan < 0`` is False).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Iterable
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bool_mask", "choice", "integer", "number"]
+__all__ = ["bool_mask", "choice", "integer", "no_arguments", "number"]
 
 
 def integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
@@ -77,3 +78,17 @@ def bool_mask(name: str, value: Any, length: int) -> np.ndarray:
             f"{name} must be a bool array of shape ({length},), got {mask.dtype} {mask.shape}"
         )
     return mask
+
+
+def no_arguments(name: str, fn: Any) -> None:
+    """A function the caller will call with no arguments takes none (ValueError otherwise)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will say
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        raise ValueError(
+            f"{name}: a function given here is called with no arguments; {fn!r} takes {signature}"
+        ) from None

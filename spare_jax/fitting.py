@@ -293,6 +293,8 @@ def fit(
     max_rollbacks = checks.integer("max_rollbacks", max_rollbacks, low=0)
     gpu_mtbf_hours = checks.number("gpu_mtbf_hours", gpu_mtbf_hours, low=0.0, low_open=True)
     cache = _cache_setting(compile_cache)
+    if callable(params):
+        checks.no_arguments("params", params)
     if balance and jax.process_count() == 1:
         runlog.notice(
             "balance=True is off in a one-process job: one program runs all of its groups, "

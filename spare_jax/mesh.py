@@ -42,6 +42,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from spare_jax import checks
+
 __all__ = [
     "AXES",
     "GROUP_AXES",
@@ -278,8 +280,18 @@ def check_batch_axes(batch_axes: Any, mesh: Mesh) -> tuple[str, ...]:
 
 
 def shaped(params: Any) -> Any:
-    """Parameters given as a function of no arguments: the shapes it returns (no compute)."""
-    return jax.eval_shape(params) if callable(params) else params
+    """Parameters given as a function of no arguments: the shapes it returns (no compute).
+
+    Raises:
+        ValueError: the function takes arguments, or does not trace to arrays.
+    """
+    if not callable(params):
+        return params
+    checks.no_arguments("params", params)
+    try:
+        return jax.eval_shape(params)
+    except TypeError as err:  # e.g. it returns something that is not an array
+        raise ValueError(f"params(): {str(err).splitlines()[0]}") from err
 
 
 def put(value: Any, sharding: NamedSharding) -> jax.Array:

@@ -139,6 +139,7 @@ def test_a_non_finite_loss_stops_with_its_status_and_keeps_the_last_good_state(t
         ({"gpu_mtbf_hours": -1.0}, "gpu_mtbf_hours"),
         ({"batches": lambda t: regression.batches(t, rows=12)}, "G\\*m\\*b rows"),
         ({"batches": lambda t: {"x": np.zeros((32, 8)), "y": np.zeros(31)}}, "leading"),
+        ({"params": lambda seed: regression.initial_params()}, "called with no arguments"),
     ],
 )
 def test_bad_arguments_are_named_before_any_work(tmp_path, change, match):
@@ -153,6 +154,11 @@ def test_bad_arguments_are_named_before_any_work(tmp_path, change, match):
     with pytest.raises(ValueError, match=match):
         spare_jax.fit(args.pop("step"), args.pop("params"), args.pop("batches"), **args)
     assert not (tmp_path / "run").exists()  # no file, no checkpoints/, not even the directory
+
+
+def test_a_params_function_that_returns_no_arrays_is_named_in_one_line():
+    with pytest.raises(ValueError, match=r"^params\(\): .*not a valid JAX type"):
+        _step().init(lambda: "weights")
 
 
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):
