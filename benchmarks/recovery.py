@@ -18,7 +18,9 @@ run, medians over ``--repeats``:
 * **relaunch and restore**, what a job without SPARe does (kill two
   neighbours, so no live holder is left): from the survivors' exit to the new
   job's restored state, plus the work lost since the last checkpoint (steps
-  times the median step time);
+  times the median step time), and from the exit to the new job's first
+  completed step (``to_first_step_s``: its programs loaded or compiled, as a
+  replacement's are before its first step);
 * **a hang**: worker 2 SIGSTOPped from outside (never resumed) instead of
   killed: detection is measured from the stop, the rest as for a kill;
 * **a kill during recovery**: worker 1 killed by the injector, worker 3
@@ -277,11 +279,13 @@ def _figures(records: list[dict], expect_relaunch: bool) -> dict[str, float]:
     if "relaunch" in events:
         relaunch = events["relaunch"]
         lost = relaunch["lost_steps"] * median_step
+        back = events.get("relaunch_step", {})  # the new job's first step (its compile in it)
         return {
             "relaunch_s": relaunch["relaunch_s"],
             "lost_work_s": lost,
             "total_s": relaunch["relaunch_s"] + lost,
             "lost_steps": relaunch["lost_steps"],
+            "to_first_step_s": back.get("since_exit_s", float("nan")),
         }
     failure, recovered = events["process_failure"], events["recovered"]
     first = recovered["first_step_s"]
@@ -520,6 +524,7 @@ def main(argv: list[str]) -> None:
         "relaunch_s",
         "lost_work_s",
         "total_s",
+        "to_first_step_s",
     )
     print(f"{'case':<40}" + "".join(f"{c:>13}" for c in columns))
     medians = {}
@@ -553,6 +558,8 @@ def main(argv: list[str]) -> None:
             f"(heartbeat {_HEARTBEAT.value} s)"
         )
     relaunch = medians[cases[-1][0]].get("total_s", float("nan"))
+    # the relaunched job's first step: the like of a replacement's (both load their programs)
+    stepped = medians[cases[-1][0]].get("to_first_step_s", float("nan"))
     for name, how in ((REJOIN, "a new process"), (REJOIN_SPARE, "a warm spare")):
         back = medians.get(name, {})
         if "join_s" in back:
@@ -561,7 +568,8 @@ def main(argv: list[str]) -> None:
                 f"replacement's start to its first step (survivors paused "
                 f"{back['survivors_pause_s']:.2f} s, state {back['bytes']:.0f} bytes in "
                 f"{back['transfer_s']:.2f} s) vs relaunch and restore {relaunch:.2f} s "
-                f"({back['join_s'] / relaunch:.2f}x)"
+                f"({back['join_s'] / relaunch:.2f}x) and the relaunched job's exit to its "
+                f"first step {stepped:.2f} s ({back['join_s'] / stepped:.2f}x)"
             )
     for name, _, _ in cases[:-1][:2]:
         spare = medians[name].get("total_s", float("nan"))

@@ -204,7 +204,7 @@ class Admission:
         groups = sorted({source, *self._rejoined})
         mesh = multihost.survivors_mesh(self._by_group, groups, self._template.mesh)
         abstract = jax.tree.leaves(self._live_abstract())
-        return broadcast.move(mesh, groups.index(source), abstract, host)
+        return broadcast.move(mesh, groups.index(source), abstract, host, scope=self._scope)
 
     def _regrow(self, epoch: rejoin.Epoch, rows: list[int]) -> None:
         """The mesh over every live group (the newcomers' again), on this backend's devices."""

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spare_jax import compile_cache
 from spare_jax import mesh as mesh_lib
 
 __all__ = [
@@ -278,6 +279,7 @@ def send_and_receive(
     source_row: int,
     host: Sequence[Any] | None,
     schedule: str = "auto",
+    scope: str | None = None,
 ) -> tuple[dict[int, np.ndarray], Transfer]:
     """Run the transfer; every process with a device on ``mesh`` calls it.
 
@@ -286,7 +288,8 @@ def send_and_receive(
     ``{}``; a receiver passes ``None`` and gets each of its devices' stream
     (device id -> bytes). Rows other than the source
     send zeros. ``schedule``: ``auto`` (`pipelined` decides), ``chain`` or
-    ``doubling``; every process passes the same.
+    ``doubling``; every process passes the same. ``scope``: where the
+    program is kept to load untraced (`compile_cache.compile_scoped`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: one of {SCHEDULES}")
@@ -309,7 +312,14 @@ def send_and_receive(
     collectives = plan.chunks + (rows - 2 if chain else 0)
     start = time.perf_counter()
     program, sharding = _program(mesh, source_row, chain)
-    compiled = program.lower(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)).compile()
+    arg = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    compiled = compile_cache.compile_scoped(
+        scope,
+        f"broadcast/{source_row}/{'chain' if chain else 'doubling'}",
+        arg,
+        list(mesh.devices.flat),
+        lambda: program.lower(arg),
+    )
     compile_s = time.perf_counter() - start
     nothing = {d.id: jax.device_put(np.zeros((1, 1, words), np.int32), d) for d in mine}
 
@@ -383,6 +393,7 @@ def move(
     host: Sequence[Any] | None,
     chunk_bytes: int = CHUNK_BYTES,
     schedule: str = "auto",
+    scope: str | None = None,
 ) -> Moved:
     """Send the source row's state to the other rows of ``mesh``: the whole transfer.
 
@@ -396,7 +407,7 @@ def move(
     plan = layout(mesh, abstract, specs, chunk_bytes)
     if jax.process_index() not in {d.process_index for d in mesh.devices.flat}:
         return Moved(plan.payload_bytes, None, None)
-    received, transfer = send_and_receive(mesh, plan, source_row, host, schedule)
+    received, transfer = send_and_receive(mesh, plan, source_row, host, schedule, scope)
     shardings = [a.sharding for a in abstract]
     leaves = assemble(plan, received, abstract, shardings) if received else None
     return Moved(plan.payload_bytes, transfer, leaves)

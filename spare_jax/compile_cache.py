@@ -28,10 +28,12 @@ import dataclasses
 import hashlib
 import logging
 import os
+import pickle
+import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +43,7 @@ from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 __all__ = [
     "Snapshot",
     "compile_lowered",
+    "compile_scoped",
     "configured",
     "counts",
     "enable",
@@ -60,6 +63,7 @@ _LOOKUP = "/jax/compilation_cache/compile_requests_use_cache"  # each compile th
 _HIT = "/jax/compilation_cache/cache_hits"  # ... and found its program there
 _WRITE = "/jax/compilation_cache/cache_misses"  # recorded only when an entry is written
 _RETRIEVAL_S = "/jax/compilation_cache/cache_retrieval_time_sec"  # a hit's read and load
+_UNTRACED = "untraced"  # ours: hits of `compile_scoped`, loaded without tracing the program
 
 
 class _Counter:
@@ -73,7 +77,7 @@ class _Counter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._registered = False
-        self._counts = {_LOOKUP: 0, _HIT: 0, _WRITE: 0}
+        self._counts = {_LOOKUP: 0, _HIT: 0, _WRITE: 0, _UNTRACED: 0}
         self._retrieval_s = 0.0
 
     def register(self) -> None:
@@ -102,12 +106,14 @@ class _Counter:
             with self._lock:
                 self._retrieval_s += float(duration_secs)
 
-    def own(self, *, hit: bool, seconds: float = 0.0) -> None:
-        """A lookup in this process's own store (`compile_lowered`): counted as JAX's are."""
+    def own(self, *, hit: bool, seconds: float = 0.0, untraced: bool = False) -> None:
+        """A lookup in this process's own store (`compile_lowered`, `compile_scoped`):
+        counted as JAX's are; ``untraced``: a hit of `compile_scoped`, loaded untraced."""
         with self._lock:
             if hit:
                 self._counts[_LOOKUP] += 1
                 self._counts[_HIT] += 1
+                self._counts[_UNTRACED] += untraced
                 self._retrieval_s += seconds
             else:  # the compile that follows records JAX's own lookup
                 self._counts[_WRITE] += 1
@@ -119,6 +125,7 @@ class _Counter:
                 "cache_hits": hits,
                 "cache_misses": lookups - hits,
                 "cache_writes": self._counts[_WRITE],
+                "untraced": self._counts[_UNTRACED],
             }
 
     def retrieval_seconds(self) -> float:
@@ -216,7 +223,8 @@ def counts() -> dict[str, int]:
 
     ``cache_hits``: programs loaded from the cache instead of compiled;
     ``cache_misses``: programs looked up, not found, and compiled;
-    ``cache_writes``: entries this process wrote (only process 0 writes any).
+    ``cache_writes``: entries this process wrote (only process 0 writes any);
+    ``untraced``: of the hits, programs `compile_scoped` loaded without tracing them.
     """
     return _COUNTER.counts()
 
@@ -253,26 +261,31 @@ def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) 
 
     JAX's cache writes only from process 0 (see the module's docstring), so
     every other process compiled its programs again at each relaunch and a
-    replacement compiled all of them. With a cache directory configured,
-    every process but 0 keeps the programs it compiles through here in
-    ``DIR/process-<id>/`` (serialized executables keyed by the program text,
-    its ``devices`` in order, the job's shape and JAX's version), and a later
-    process with the same id loads them. Process 0 and runs without a cache
-    directory compile as JAX does. A damaged or stale entry is compiled again
-    and replaced. Loads and writes count in `counts` like JAX's own.
+    replacement compiled all of them. With a cache directory configured, in a
+    multi-process job, every process keeps the programs it compiles through
+    here in ``DIR/process-<id>/`` (serialized executables keyed by the
+    program text, its ``devices`` in order, the job's shape and JAX's
+    version), and a later process with the same id loads them. Process 0
+    keeps its own too: `compile_scoped` needs the bytes of a program as it
+    was compiled, and one that JAX's cache loaded does not serialize whole
+    again (on CPU the copy lacks its kernels: "Function ... not found" when
+    run). A lone process and runs without a cache directory compile as JAX
+    does. A damaged or stale entry is compiled again and replaced. Loads and
+    writes count in `counts` like JAX's own.
     """
+    return _own(lowered, devices)[0]
+
+
+def _own(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) -> tuple[Any, bytes | None]:
+    """`compile_lowered`, and the program's serialized bytes when they are known whole."""
     directory = configured()
-    index = jax.process_index()
-    if directory is None or index == 0 or jax.process_count() == 1:
-        return lowered.compile()
-    folder = os.path.join(directory, _OWN.format(index=index))
-    path = os.path.join(folder, _own_key(lowered, devices))
+    if directory is None or jax.process_count() == 1:
+        return lowered.compile(), None
+    path = os.path.join(
+        directory, _OWN.format(index=jax.process_index()), _own_key(lowered, devices)
+    )
     start = time.perf_counter()
-    try:
-        with open(path, "rb") as f:
-            payload = f.read()
-    except OSError:
-        payload = None
+    payload = _read(path)
     if payload is not None:
         try:
             compiled = serialize_executable.deserialize_and_load(
@@ -284,21 +297,139 @@ def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) 
             )
         except Exception as err:  # noqa: BLE001 - any failure: compile instead
             log.warning("compile cache entry %s does not load (%s): compiling", path, err)
+            _discard(path)
         else:
             _COUNTER.own(hit=True, seconds=time.perf_counter() - start)
-            return compiled
+            return compiled, payload
+    compiled, data = _fresh(lowered)
+    if data is not None:
+        try:
+            _write(path, data)
+        except OSError as err:
+            log.warning("compile cache entry %s not written: %s", path, err)
+        else:
+            _COUNTER.own(hit=False)
+    return compiled, data
+
+
+def _fresh(lowered: jax.stages.Lowered) -> tuple[Any, bytes | None]:
+    """``lowered.compile()`` and its serialized bytes; None for bytes when JAX's cache
+    loaded it (a loaded program does not serialize whole) or it does not serialize."""
+    _COUNTER.register()
+    before = _COUNTER.counts()["cache_hits"]
     compiled = lowered.compile()
+    if _COUNTER.counts()["cache_hits"] != before:
+        return compiled, None
     try:
-        data, _, _ = serialize_executable.serialize(compiled)
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        return compiled, serialize_executable.serialize(compiled)[0]
     except Exception as err:  # noqa: BLE001 - e.g. a host callback does not pickle: not kept
-        log.warning("compile cache entry %s not written: %s", path, err)
-    else:
-        _COUNTER.own(hit=False)
+        log.warning("a compiled program is not kept: %s", err)
+        return compiled, None
+
+
+def _write(path: str, data: bytes) -> None:
+    """``data`` at ``path``, whole or not at all (a reader never sees part of it)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _discard(path: str) -> None:
+    """Remove an entry that does not load (a new one replaces it when the program is
+    known whole)."""
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+# Programs kept under a scope (`compile_scoped`): DIR/process-<id>/scoped/<scope>/<key>.
+_SCOPED = "scoped"
+
+
+def _signature_key(scope: str, name: str, args: Any, devices: Sequence[jax.Device]) -> str:
+    """What a scoped program is looked up by: its name, its arguments' shapes, dtypes and
+    placements, its devices, the job's shape and JAX (never its code: the scope stands for it)."""
+    leaves, tree = jax.tree.flatten(args)
+    h = hashlib.sha256()
+    backend = devices[0].client
+    parts = [scope, name, jax.__version__, backend.platform, backend.platform_version]
+    parts += [f"{jax.process_count()} {jax.device_count()}", str(tree)]
+    parts.append(" ".join(f"{d.id}:{d.process_index}" for d in devices))
+    for x in leaves:
+        sharding = x.sharding
+        placed = repr(sharding)
+        if hasattr(sharding, "mesh"):
+            placed += " " + " ".join(str(d.id) for d in sharding.mesh.devices.flat)
+        parts.append(f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {placed}")
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def compile_scoped(
+    scope: str | None,
+    name: str,
+    args: Any,
+    devices: Sequence[jax.Device],
+    lower: Callable[[], jax.stages.Lowered],
+) -> Any:
+    """The program ``lower`` builds, loaded without tracing it when ``scope`` holds it.
+
+    Tracing and lowering a model's step takes longer than loading its
+    compiled program (0.5-1 s of the LM's 1.5 s re-join compile on CPU), and a
+    re-join's survivors (their backend reset) and its replacement pay it
+    again for programs their process slot already compiled. Under a scope,
+    each process keeps what it compiles keyed by ``name`` and the abstract
+    ``args`` (shapes, dtypes, shardings) on ``devices`` instead of by the
+    program's text, and a later lookup with the same key in the same scope
+    loads it untraced. So a scope must stand for everything else the program
+    depends on (the user's functions, the optimizer): `spare_jax.rejoin`
+    makes one per job and process slot, which a replacement inherits from
+    the process it replaces. With no scope or no cache directory this is
+    `compile_lowered` on ``lower()``. Hits and writes count in `counts`.
+    """
+    directory = configured()
+    if scope is None or directory is None:
+        return compile_lowered(lower(), devices)
+    folder = os.path.join(directory, _OWN.format(index=jax.process_index()), _SCOPED, scope)
+    path = os.path.join(folder, _signature_key(scope, name, args, devices))
+    start = time.perf_counter()
+    payload = _read(path)
+    if payload is not None:
+        try:
+            data, in_tree, out_tree = pickle.loads(payload)
+            compiled = serialize_executable.deserialize_and_load(
+                data, in_tree, out_tree, backend=devices[0].client, execution_devices=list(devices)
+            )
+        except Exception as err:  # noqa: BLE001 - any failure: build it instead
+            log.warning("scoped program %s does not load (%s): building it", path, err)
+            _discard(path)
+        else:
+            _COUNTER.own(hit=True, seconds=time.perf_counter() - start, untraced=True)
+            return compiled
+    lowered = lower()
+    compiled, data = _own(lowered, devices)
+    if data is None:  # not known whole: traced again at the next lookup
+        return compiled
+    try:
+        if not os.path.isdir(folder):  # a new scope: the slot's older ones serve no process
+            parent = os.path.dirname(folder)
+            for old in os.listdir(parent) if os.path.isdir(parent) else []:
+                shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
+        _write(path, pickle.dumps((data, _in_tree(lowered), lowered.out_tree)))
+    except Exception as err:  # noqa: BLE001 - e.g. a tree that does not pickle: not kept
+        log.warning("scoped program %s not written: %s", path, err)
     return compiled
 
 

@@ -132,6 +132,9 @@ class Split:
         mesh: a mesh over the domain's groups only (`multihost.survivors_mesh`).
         rows: the original group of each of the domain mesh's groups.
         accum_dtype: the dtype the sums run in, at least.
+        scope: where the programs are kept to load untraced (`compile_cache.compile_scoped`):
+            one per job and process slot (`rejoin.program_scope`), so that a re-join's
+            survivors and its replacement skip tracing the model; None: not kept.
 
     Attributes:
         compiles: programs compiled, by kind (``gradients``, ``cross``, ``update``).
@@ -145,8 +148,9 @@ class Split:
         mesh: Mesh,
         rows: np.ndarray,
         accum_dtype: Any,
+        scope: str | None = None,
     ):
-        self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
+        self.loss_fn, self.tx, self.mesh, self.scope = loss_fn, tx, mesh, scope
         self.rows = np.asarray(rows, np.int64)
         self.accum_dtype = accum_dtype
         self.compiles = {"gradients": 0, "cross": 0, "update": 0}
@@ -160,9 +164,15 @@ class Split:
     def _compiled(self, key: Any, kind: str, build: Callable[[], Any], args: Sequence[Any]) -> Any:
         if key not in self._exe:
             start = time.perf_counter()
-            lowered = build().lower(*jax.tree.map(_abstract, args))
-            devices = jax.tree.leaves(args)[0].sharding.mesh.devices.flat
-            self._exe[key] = compile_cache.compile_lowered(lowered, list(devices))
+            abstract = jax.tree.map(_abstract, args)
+            devices = list(jax.tree.leaves(args)[0].sharding.mesh.devices.flat)
+            self._exe[key] = compile_cache.compile_scoped(
+                self.scope,
+                f"split/{kind}/{np.dtype(self.accum_dtype).name}",
+                abstract,
+                devices,
+                lambda: build().lower(*abstract),
+            )
             self.compiles[kind] += 1
             self.compile_s[kind] += time.perf_counter() - start
         return self._exe[key]

@@ -159,9 +159,10 @@ def _compile_cache(setting: str | bool | None, workdir: str) -> Iterator[None]:
         finally:
             seen = cache_lib.counts()
             absl_logging.info(
-                "compile cache %s: %d programs loaded, %d compiled",
+                "compile cache %s: %d programs loaded (%d untraced), %d compiled",
                 path,
                 seen["cache_hits"],
+                seen["untraced"],
                 seen["cache_misses"],
             )
 

@@ -11,6 +11,7 @@ group that lost one of its processes leave the job (`_leave_group`).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from spare_jax import (
     errors,
     inputs,
     multihost,
+    rejoin,
     runlog,
 )
 from spare_jax import train_step as step_lib
@@ -40,12 +42,18 @@ RETRIES = 3  # a step failed by collectives with every process alive is tried th
 class ProcessLoss:
     """Process loss and recovery: mixed into `Trainer`, whose state it reads and sets."""
 
+    @functools.cached_property
+    def _scope(self) -> str:
+        """Where this process keeps its step's programs (`rejoin.program_scope`): one per
+        `Trainer`, kept across a re-join's backend reset, inherited by a replacement."""
+        return rejoin.program_scope()
+
     def _split_for(self, full: Mesh) -> domains.Split:
         """This process's failure domain's programs, over ``full``'s devices (the job's mesh)."""
         rows = domains.domain_of(multihost.group_processes(full), jax.process_index())
         mesh = multihost.survivors_mesh(multihost.group_devices(full), rows, full)
         t = self._template
-        return domains.Split(t.loss_fn, t.tx, mesh, rows, t.accum_dtype)
+        return domains.Split(t.loss_fn, t.tx, mesh, rows, t.accum_dtype, self._scope)
 
     def compiled(self) -> dict[str, int]:
         """Programs this process compiled for its step, by kind (the split step's three)."""
@@ -200,9 +208,19 @@ class ProcessLoss:
         os._exit(err.exit_status)
 
     def _recovered(self) -> None:
+        """After the first step since a recovery (or a relaunch): its time on record."""
         if self.recovering is None:
             return
         now = time.time()
+        if self.recovering.get("relaunch"):
+            self.log.event(
+                "relaunch_step",
+                step=self.t,
+                since_exit_s=round(now - self.recovering["origin"], 6),
+                first_step_s=round(now - self.recovering["resumed"], 6),
+            )
+            self.recovering = None
+            return
         self.log.event(
             "recovered",
             step=self.t,

@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "is_replacement",
     "live_incarnations",
     "prepare_backend",
+    "program_scope",
     "receive",
     "reset_backend",
     "send",
@@ -89,6 +91,27 @@ def prepare_backend(process_id: int) -> None:
     """
     if process_id == 0:
         _client().key_value_delete(jax_internals.TOPOLOGY_KEY)
+
+
+def program_scope() -> str:
+    """The scope this process keeps its compiled programs under (`compile_cache.compile_scoped`).
+
+    One per job and process slot, in the coordination service's store: a
+    replacement takes the scope of the process it replaces, so it loads the
+    programs that process compiled, untraced; every other process starts a
+    new one. A relaunch or a rerun has a new service, so new scopes: code
+    changed in between is traced again.
+    """
+    client = _client()
+    key = f"spare_jax/programs/{jax.process_index()}"
+    if is_replacement():
+        try:
+            return client.key_value_try_get(key)
+        except jax.errors.JaxRuntimeError:  # the process it replaces kept none
+            pass
+    scope = uuid.uuid4().hex
+    client.key_value_set(key, scope, allow_overwrite=True)
+    return scope
 
 
 class Epoch:

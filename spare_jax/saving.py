@@ -105,7 +105,9 @@ class Saving:
         groups = sorted({int(mine.min()), *others})
         mesh = multihost.survivors_mesh(self._by_group, groups, self._template.mesh)
         leaves = None if host is None else jax.tree.leaves(host)
-        moved = broadcast.move(mesh, groups.index(int(mine.min())), abstract, leaves)
+        moved = broadcast.move(
+            mesh, groups.index(int(mine.min())), abstract, leaves, scope=self._scope
+        )
         placed = (
             moved.leaves
             if leaves is None
@@ -267,6 +269,8 @@ class Saving:
             attempt=self.attempt,
             rolled_back=True,
         )
+        # its first step puts the whole way back on record (`relaunch_step`)
+        self.recovering = {"origin": float(started), "resumed": time.time(), "relaunch": 1.0}
 
     def rollback(self, err: reorder.Interruption) -> None:
         """Restore the latest complete checkpoint (or a fresh state), replace the failed groups."""

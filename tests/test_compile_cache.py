@@ -172,17 +172,43 @@ def test_a_process_other_than_0_keeps_its_programs_and_loads_them_again(
         third = compile_cache.compile_lowered(lowered, devices)
     assert f"compile cache entry {entry} does not load" in caplog.text
     np.testing.assert_array_equal(np.asarray(third(a, a)[0]), np.asarray(first(a, a)[0]))
-    assert entry.stat().st_size > 100
+    # Gone: JAX's cache (this lone process writes it, as process 0) served the compile, and
+    # a program it loaded is not kept again (test_a_program_jax_s_cache_loaded_is_never_...).
+    assert not entry.exists()
 
 
-def test_process_0_and_runs_without_a_cache_leave_the_store_alone(no_cache, tmp_path, monkeypatch):
+def test_a_lone_process_and_runs_without_a_cache_leave_the_store_alone(
+    no_cache, tmp_path, monkeypatch
+):
     lowered, devices, _ = _lowered()
     _as_process(monkeypatch, 1)
     compile_cache.compile_lowered(lowered, devices)  # no cache configured: nothing kept
     compile_cache.enable(tmp_path / "cache")
-    _as_process(monkeypatch, 0)
+    monkeypatch.setattr(jax, "process_count", lambda *a, **k: 1)
     compile_cache.compile_lowered(lowered, devices)
     assert not list((tmp_path / "cache").glob("process-*"))
+
+
+def test_a_program_jax_s_cache_loaded_is_never_kept_again(no_cache, tmp_path, monkeypatch):
+    """XLA's CPU client serializes a loaded executable without its kernels ("Function ...
+    not found" when that copy runs): such a program goes to neither store, and runs."""
+    compile_cache.enable(tmp_path / "cache")
+    lowered, devices, sharding = _lowered()
+    calls: list[str] = []
+    # A lone process is process 0 to JAX: it writes JAX's entries of both programs.
+    want = lowered.compile()
+    wanted = _scoped(None, calls)
+    assert len(_entries(tmp_path / "cache")) == 2
+    _as_process(monkeypatch, 0)
+    for _ in range(2):
+        got = compile_cache.compile_lowered(_lowered()[0], devices)  # JAX's cache serves it
+        loaded = _scoped("scope-a", calls)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "process-" in str(p)]
+    assert calls == ["traced 8"] * 3, "nothing kept: traced at each lookup"
+    a = jax.device_put(jnp.arange(8.0), sharding)
+    for run, ref in ((got, want), (loaded, wanted)):
+        for x, y in zip(run(a, a), ref(a, a), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_a_program_that_cannot_be_kept_still_compiles_and_runs(no_cache, tmp_path, monkeypatch):
@@ -199,3 +225,68 @@ def test_a_program_that_cannot_be_kept_still_compiles_and_runs(no_cache, tmp_pat
     compiled = compile_cache.compile_lowered(lowered, [device])
     np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(3))), np.full(3, 2.0))
     assert not list((tmp_path / "cache").glob("process-1/*"))
+
+
+def _scoped(scope, calls: list[str], size: int = 8, process: int = 1):
+    """`compile_cache.compile_scoped` on the program of `_lowered`, noting each trace."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+
+    def program(a, b):
+        calls.append(f"traced {size}")  # runs only while JAX traces it
+        return a * b + 1.0, jnp.sum(a)
+
+    arg = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=sharding)
+    jitted = jax.jit(program, out_shardings=(sharding, None))
+    return compile_cache.compile_scoped(
+        scope, "test/program", (arg, arg), list(mesh.devices.flat), lambda: jitted.lower(arg, arg)
+    )
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_a_scoped_program_loads_again_without_being_traced(
+    no_cache, tmp_path, monkeypatch, process
+):
+    """Under one scope a second lookup (a survivor after a backend reset, a replacement
+    inheriting its slot's scope) loads the program untraced, on every process, 0 included;
+    another scope, other shapes or no scope trace it again, and a new scope clears the
+    slot's older ones."""
+    compile_cache.enable(tmp_path / "cache")
+    _as_process(monkeypatch, process)
+    calls: list[str] = []
+    first = _scoped("scope-a", calls)
+    assert calls == ["traced 8"]
+    hits = compile_cache.counts()["cache_hits"]
+    second = _scoped("scope-a", calls)
+    assert calls == ["traced 8"], "the second lookup traced the program"
+    assert compile_cache.counts()["cache_hits"] == hits + 1
+    a = jax.device_put(jnp.arange(8.0), first.input_shardings[0][0])
+    for got, want in zip(second(a, a), first(a, a), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _scoped("scope-a", calls, size=16)  # other shapes: another program
+    assert calls == ["traced 8", "traced 16"]
+    scoped = tmp_path / "cache" / f"process-{process}" / "scoped"
+    assert [p.name for p in scoped.iterdir()] == ["scope-a"]
+    assert len(list((scoped / "scope-a").iterdir())) == 2
+    _scoped("scope-b", calls)  # a new job's scope: traced again; the old scope goes
+    assert calls[-1] == "traced 8" and len(calls) == 3
+    assert [p.name for p in scoped.iterdir()] == ["scope-b"]
+    _scoped(None, calls)  # no scope: traced every time
+    _scoped(None, calls)
+    assert len(calls) == 5
+
+
+def test_a_damaged_scoped_program_is_built_again(no_cache, tmp_path, monkeypatch, caplog):
+    compile_cache.enable(tmp_path / "cache")
+    _as_process(monkeypatch, 1)
+    calls: list[str] = []
+    first = _scoped("scope-a", calls)
+    (entry,) = (tmp_path / "cache" / "process-1" / "scoped" / "scope-a").iterdir()
+    entry.write_bytes(entry.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="spare_jax.compile_cache"):
+        again = _scoped("scope-a", calls)
+    assert f"scoped program {entry} does not load" in caplog.text
+    assert calls == ["traced 8", "traced 8"]
+    a = jax.device_put(jnp.arange(8.0), first.input_shardings[0][0])
+    np.testing.assert_array_equal(np.asarray(again(a, a)[0]), np.asarray(first(a, a)[0]))
+    assert entry.stat().st_size > 100  # replaced by the rebuilt program

@@ -158,6 +158,9 @@ def test_two_kills_close_together(env, tmp_path, reference, victims, masked):
     else:
         (relaunch,) = lj.events(tmp_path, "relaunch")
         assert relaunch["rolled_back"] and relaunch["to_step"] % 5 == 0
+        (back,) = lj.events(tmp_path, "relaunch_step")  # the new job's first step, after it
+        assert back["step"] == relaunch["to_step"], (back, relaunch)
+        assert back["since_exit_s"] > relaunch["relaunch_s"] and back["first_step_s"] > 0
         assert lj.summary(tmp_path)["attempts"] == 2
         lj.assert_params(tmp_path, reference, range(4))  # a fresh job: every worker is back
     lj.steps_of_last_attempt_are_contiguous(tmp_path, STEPS)
