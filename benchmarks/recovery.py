@@ -526,7 +526,8 @@ def main(argv: list[str]) -> None:
         "total_s",
         "to_first_step_s",
     )
-    print(f"{'case':<40}" + "".join(f"{c:>13}" for c in columns))
+    width = {c: max(13, len(c) + 2) for c in columns}
+    print(f"{'case':<40}" + "".join(f"{c:>{width[c]}}" for c in columns))
     medians = {}
     for name, all_runs in results.items():
         runs = [r for r in all_runs if "false_alarm" not in r]
@@ -534,7 +535,9 @@ def main(argv: list[str]) -> None:
         med = {c: statistics.median(r[c] for r in runs) for c in columns if runs and c in runs[0]}
         medians[name] = {**med, "runs": len(runs), "false_alarms": alarms}
         note = f"  ({alarms} false alarm(s) left out)" if alarms else ""
-        cells = "".join(f"{med[c]:>13.3f}" if c in med else f"{'':>13}" for c in columns)
+        cells = "".join(
+            f"{med[c]:>{width[c]}.3f}" if c in med else f"{'':>{width[c]}}" for c in columns
+        )
         print(f"{name:<40}{cells}{note}")
     outside = _outside_cases(base)
     for name, rows in outside.items():

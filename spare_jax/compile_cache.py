@@ -15,10 +15,12 @@ through `jax.monitoring` (public API); the other JAX calls are
 
 Which programs JAX's cache can serve (JAX 0.10): every process reads it, but
 only the process whose ``jax.distributed`` id is 0 writes it, and on CPU the
-key holds the program's device assignment. So every other process keeps the
-programs of its failure domain itself (`compile_lowered`): a relaunched
-process or a replacement loads them. docs/library.md says what that means
-for a relaunched job.
+key holds the program's device assignment. So every process of a
+multi-process job keeps the programs of its failure domain itself
+(`compile_lowered`): a relaunched process or a replacement loads them. A
+re-join also keeps them under a scope (`compile_scoped`), to load them
+without tracing the model. docs/library.md says what that means for a
+relaunched job and a re-join.
 """
 
 from __future__ import annotations
