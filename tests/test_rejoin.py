@@ -19,6 +19,7 @@ import pathlib
 import re
 import signal
 
+import jax
 import launching as lj
 import pytest
 
@@ -33,6 +34,40 @@ def test_an_epoch_is_named_by_the_live_set_alone():
     assert a.tag == b.tag and a.joiners == b.joiners == [2]
     assert a.survivors == [0, 1] and a.processes == [0, 1, 2]
     assert rejoin.Epoch({0: "1", 1: "5", 2: "10"}, [2]).tag != a.tag  # a new incarnation
+
+
+class _Store:
+    """The coordination service's key-value store, as `rejoin.program_scope` uses it."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, str] = {}
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        assert allow_overwrite or key not in self.kv
+        self.kv[key] = value
+
+    def key_value_try_get(self, key: str) -> str:
+        if key not in self.kv:
+            raise jax.errors.JaxRuntimeError(f"NOT_FOUND: Config key {key} not found.")
+        return self.kv[key]
+
+
+def test_a_replacement_takes_its_forerunner_s_program_scope_and_a_new_job_draws_new_ones(
+    monkeypatch,
+):
+    store = _Store()
+    monkeypatch.setattr(rejoin, "_client", lambda: store)
+    monkeypatch.setattr(jax, "process_index", lambda *a, **k: 2)
+    monkeypatch.delenv(rejoin.ENV["replacement"], raising=False)
+    first = rejoin.program_scope()
+    assert store.kv == {"spare_jax/programs/2": first}
+    again = rejoin.program_scope()  # another job's trainer in that slot: a scope of its own
+    assert again != first and store.kv["spare_jax/programs/2"] == again
+    monkeypatch.setenv(rejoin.ENV["replacement"], "1")
+    assert rejoin.program_scope() == again  # the replacement runs its forerunner's programs
+    monkeypatch.setattr(jax, "process_index", lambda *a, **k: 3)
+    fresh = rejoin.program_scope()  # its forerunner published none: a scope of its own
+    assert fresh not in (first, again) and store.kv["spare_jax/programs/3"] == fresh
 
 
 @pytest.fixture(scope="module")
