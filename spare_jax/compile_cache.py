@@ -272,8 +272,8 @@ def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) 
     was compiled, and one that JAX's cache loaded does not serialize whole
     again (on CPU the copy lacks its kernels: "Function ... not found" when
     run). A lone process and runs without a cache directory compile as JAX
-    does. A damaged or stale entry is compiled again and replaced. Loads and
-    writes count in `counts` like JAX's own.
+    does. A damaged or stale entry is removed, and replaced when the program
+    is compiled whole. Loads and writes count in `counts` like JAX's own.
     """
     return _own(lowered, devices)[0]
 
@@ -286,22 +286,11 @@ def _own(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) -> tuple[An
     path = os.path.join(
         directory, _OWN.format(index=jax.process_index()), _own_key(lowered, devices)
     )
-    start = time.perf_counter()
     payload = _read(path)
     if payload is not None:
-        try:
-            compiled = serialize_executable.deserialize_and_load(
-                payload,
-                _in_tree(lowered),
-                lowered.out_tree,
-                backend=devices[0].client,
-                execution_devices=list(devices),
-            )
-        except Exception as err:  # noqa: BLE001 - any failure: compile instead
-            log.warning("compile cache entry %s does not load (%s): compiling", path, err)
-            _discard(path)
-        else:
-            _COUNTER.own(hit=True, seconds=time.perf_counter() - start)
+        trees = (_in_tree(lowered), lowered.out_tree)
+        compiled = _load(path, payload, trees, devices, "compile cache entry")
+        if compiled is not None:
             return compiled, payload
     compiled, data = _fresh(lowered)
     if data is not None:
@@ -339,11 +328,31 @@ def _write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _discard(path: str) -> None:
-    """Remove an entry that does not load (a new one replaces it when the program is
-    known whole)."""
-    with contextlib.suppress(OSError):
-        os.remove(path)
+def _load(
+    path: str,
+    payload: bytes,
+    trees: tuple[Any, Any] | None,
+    devices: Sequence[jax.Device],
+    what: str,
+) -> Any | None:
+    """The executable an entry holds, on ``devices``; None (the entry removed) if it does not load.
+
+    ``trees``: the program's argument and result trees, or None when the entry
+    carries them itself (a scoped one: pickled with the bytes, the program untraced).
+    """
+    start = time.perf_counter()
+    try:
+        data, in_tree, out_tree = pickle.loads(payload) if trees is None else (payload, *trees)
+        compiled = serialize_executable.deserialize_and_load(
+            data, in_tree, out_tree, backend=devices[0].client, execution_devices=list(devices)
+        )
+    except Exception as err:  # noqa: BLE001 - any failure: compile instead
+        log.warning("%s %s does not load (%s): compiling", what, path, err)
+        with contextlib.suppress(OSError):  # replaced once the program is compiled whole
+            os.remove(path)
+        return None
+    _COUNTER.own(hit=True, seconds=time.perf_counter() - start, untraced=trees is None)
+    return compiled
 
 
 def _read(path: str) -> bytes | None:
@@ -389,7 +398,7 @@ def compile_scoped(
     """The program ``lower`` builds, loaded without tracing it when ``scope`` holds it.
 
     Tracing and lowering a model's step takes longer than loading its
-    compiled program (0.5-1 s of the LM's 1.5 s re-join compile on CPU), and a
+    compiled program (docs/multihost.md, "Programs loaded untraced"), and a
     re-join's survivors (their backend reset) and its replacement pay it
     again for programs their process slot already compiled. Under a scope,
     each process keeps what it compiles keyed by ``name`` and the abstract
@@ -406,19 +415,10 @@ def compile_scoped(
         return compile_lowered(lower(), devices)
     folder = os.path.join(directory, _OWN.format(index=jax.process_index()), _SCOPED, scope)
     path = os.path.join(folder, _signature_key(scope, name, args, devices))
-    start = time.perf_counter()
     payload = _read(path)
     if payload is not None:
-        try:
-            data, in_tree, out_tree = pickle.loads(payload)
-            compiled = serialize_executable.deserialize_and_load(
-                data, in_tree, out_tree, backend=devices[0].client, execution_devices=list(devices)
-            )
-        except Exception as err:  # noqa: BLE001 - any failure: build it instead
-            log.warning("scoped program %s does not load (%s): building it", path, err)
-            _discard(path)
-        else:
-            _COUNTER.own(hit=True, seconds=time.perf_counter() - start, untraced=True)
+        compiled = _load(path, payload, None, devices, "scoped program")
+        if compiled is not None:
             return compiled
     lowered = lower()
     compiled, data = _own(lowered, devices)
