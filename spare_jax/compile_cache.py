@@ -81,6 +81,7 @@ class _Counter:
         self._registered = False
         self._counts = {_LOOKUP: 0, _HIT: 0, _WRITE: 0, _UNTRACED: 0}
         self._retrieval_s = 0.0
+        self._here = threading.local()  # JAX's hits on each thread, never reset
 
     def register(self) -> None:
         with self._lock:
@@ -97,6 +98,8 @@ class _Counter:
 
     def _event(self, event: str, **kwargs: str | int) -> None:
         del kwargs
+        if event == _HIT:  # JAX records it on the thread that compiles
+            self._here.hits = self.hits_here() + 1
         # JAX records a lookup even with no directory set (nothing to find): not one of ours.
         if event in self._counts and (event != _LOOKUP or configured() is not None):
             with self._lock:
@@ -119,6 +122,10 @@ class _Counter:
                 self._retrieval_s += seconds
             else:  # the compile that follows records JAX's own lookup
                 self._counts[_WRITE] += 1
+
+    def hits_here(self) -> int:
+        """JAX's cache hits on this thread since the process started (`reset` leaves them)."""
+        return getattr(self._here, "hits", 0)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -307,9 +314,10 @@ def _fresh(lowered: jax.stages.Lowered) -> tuple[Any, bytes | None]:
     """``lowered.compile()`` and its serialized bytes; None for bytes when JAX's cache
     loaded it (a loaded program does not serialize whole) or it does not serialize."""
     _COUNTER.register()
-    before = _COUNTER.counts()["cache_hits"]
+    # counted on this thread only: a reset, or another thread's hit or load, never hides one
+    before = _COUNTER.hits_here()
     compiled = lowered.compile()
-    if _COUNTER.counts()["cache_hits"] != before:
+    if _COUNTER.hits_here() != before:
         return compiled, None
     try:
         return compiled, serialize_executable.serialize(compiled)[0]

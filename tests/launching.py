@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 import optax
+import pytest
 
 from spare_jax.runlog import read_records
 
@@ -251,8 +252,11 @@ class Job:
     def wait_for(self, ready, timeout: float = 240.0, what: str = "the condition") -> None:
         deadline = time.monotonic() + timeout
         while not ready():
-            assert self.proc.poll() is None, f"the job ended before {what}: {self.output()[-3000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+            ended = self.proc.poll() is not None
+            if ended or time.monotonic() >= deadline:
+                said = "the job ended before" if ended else f"within {timeout} s, no"
+                # the launcher's and every worker's last words: a CI log is all there is to read
+                pytest.fail(f"{said} {what}:\n{self.output()[-3000:]}\n{self.worker_logs()}")
             time.sleep(0.01)
 
     def step_reached(self, step: int):
