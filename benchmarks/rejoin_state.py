@@ -39,7 +39,9 @@ the job relaunched (it must not), and every worker's peak resident memory
 (``VmHWM``) as a multiple of the state: when the driver stops the job (after
 the re-join or the rebuild, the replacement's for process 1), and at exit
 (the stop's save included); for a stall also just before worker 1 stops, so what
-the rebuild added shows. ``--out`` keeps the jobs and a JSON of the figures
+the rebuild added shows; and the compile cache's bytes on disk (JAX's entries,
+and each process's own and scoped stores), which depend on the programs, not
+on the state's size. ``--out`` keeps the jobs and a JSON of the figures
 (appended to ``rejoin_state.json``).
 """
 
@@ -131,6 +133,27 @@ def _peaks(workdir: str) -> dict[int, int]:
         except (OSError, RuntimeError):  # it has exited
             pass
     return peaks
+
+
+def _disk(folder: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _cache_disk(workdir: str) -> dict:
+    """Bytes on disk of the job's compile cache (``fit``'s default, ``WORKDIR/compile_cache``):
+    JAX's own entries (written by process 0 only) and, per process, its own store
+    (``process-<id>/``, the step's programs keyed by their text) and its scoped store
+    (``process-<id>/scoped/``, the programs a re-join loads untraced)."""
+    cache = pathlib.Path(workdir, "compile_cache")
+    if not cache.is_dir():
+        return {}
+    own, scoped = {}, {}
+    for folder in sorted(cache.glob("process-*")):
+        p = int(folder.name.split("-")[1])
+        scoped[p] = _disk(folder / "scoped") if (folder / "scoped").is_dir() else 0
+        own[p] = _disk(folder) - scoped[p]
+    jax_own = sum(f.stat().st_size for f in cache.iterdir() if f.is_file())
+    return {"jax_bytes": jax_own, "own_bytes": own, "scoped_bytes": scoped}
 
 
 def _stall(workdir: str, seconds: float) -> dict[int, int]:
@@ -248,6 +271,7 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         "exit": proc.returncode,
         "relaunched": any(r.get("event") == "relaunch" for r in records),
         "peak_rss_over_state": {p: round(b / state, 2) for p, b in sorted(peaks.items())},
+        "compile_cache": _cache_disk(workdir),
     }
     if stalls:
         figures["stalls"] = stalls
@@ -275,7 +299,7 @@ def _line(figures: dict) -> str:
             f"{figures['bytes'] / 1e6:.0f} MB moved in {figures['move_s']:.2f} s "
             f"({figures['move_mb_s']:.0f} MB/s); replacement's start to its first step "
             f"{figures['join_s']:.1f} s; peak RSS / state per process "
-            f"{figures['peak_rss_over_state']}"
+            f"{figures['peak_rss_over_state']}; {_cache_line(figures['compile_cache'])}"
         )
     if "rebuild_s" not in figures:
         return f"{size} MB: no rebuild (exit {figures['exit']})"
@@ -287,6 +311,16 @@ def _line(figures: dict) -> str:
         f"{figures['peak_before_over_state']}, after the rebuild "
         f"{figures.get('peak_at_stop_over_state')}, after the stop's save "
         f"{figures['peak_rss_over_state']}"
+    )
+
+
+def _cache_line(cache: dict) -> str:
+    if not cache:
+        return "no compile cache"
+    mb = lambda per: ", ".join(f"{p}: {b / 1e6:.2f}" for p, b in per.items())
+    return (
+        f"compile cache on disk, MB: JAX's {cache['jax_bytes'] / 1e6:.2f}, each process's "
+        f"own store {{{mb(cache['own_bytes'])}}}, scoped {{{mb(cache['scoped_bytes'])}}}"
     )
 
 

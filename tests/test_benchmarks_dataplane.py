@@ -242,6 +242,10 @@ def test_rejoin_state_benchmark_tiny(tmp_path, processes, per_group):
     assert record["processes"] == processes, record
     assert record["processes_per_group"] == per_group, record
     assert sorted(record["peak_rss_over_state"]) == [str(p) for p in range(processes)], record
+    cache = record["compile_cache"]  # every process kept its programs, in both stores
+    for store in ("own_bytes", "scoped_bytes"):
+        assert sorted(cache[store]) == [str(p) for p in range(processes)], record
+        assert all(b > 0 for b in cache[store].values()), record
     assert "re-joined without a relaunch: True" in result.stdout, result.stdout
 
 
