@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import threading
@@ -373,6 +374,7 @@ def _read(path: str) -> bytes | None:
 
 # Programs kept under a scope (`compile_scoped`): DIR/process-<id>/scoped/<scope>/<key>.
 _SCOPED = "scoped"
+_SCOPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
 
 def _signature_key(scope: str, name: str, args: Any, devices: Sequence[jax.Device]) -> str:
@@ -415,9 +417,17 @@ def compile_scoped(
     loads it untraced. So a scope must stand for everything else the program
     depends on (the user's functions, the optimizer): `spare_jax.rejoin`
     makes one per job and process slot, which a replacement inherits from
-    the process it replaces. With no scope or no cache directory this is
-    `compile_lowered` on ``lower()``. Hits and writes count in `counts`.
+    the process it replaces. A scope is one folder name (letters, digits,
+    ``-``, ``_``); anything else raises ValueError before any file is
+    touched. With no scope or no cache directory this is `compile_lowered`
+    on ``lower()``. Hits and writes count in `counts`.
     """
+    if scope is not None and not _SCOPE_NAME.fullmatch(scope):
+        # it names a folder whose siblings are deleted: never one outside the store
+        raise ValueError(
+            f"scope={scope!r}: one folder name of letters, digits, '-' and '_' "
+            "(at most 128), such as rejoin.program_scope() draws"
+        )
     directory = configured()
     if scope is None or directory is None:
         return compile_lowered(lower(), devices)

@@ -276,6 +276,27 @@ def test_a_scoped_program_loads_again_without_being_traced(
     assert len(calls) == 5
 
 
+@pytest.mark.parametrize("scope", ["../outside", "a/b", "..", ".", "", "-x", "a" * 129, "a b"])
+def test_a_scope_that_is_not_one_folder_name_is_refused_before_any_file(
+    no_cache, tmp_path, monkeypatch, scope
+):
+    """A scope names a folder whose siblings a new scope deletes: one that could reach
+    outside the store (or name no folder) is refused, and nothing is traced or written."""
+    compile_cache.enable(tmp_path / "cache")
+    _as_process(monkeypatch, 1)
+    keep = tmp_path / "outside" / "kept.txt"  # what "../outside" would reach from a slot
+    keep.parent.mkdir()
+    keep.write_text("a user's file")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    calls: list[str] = []
+    with pytest.raises(ValueError, match="one folder name"):
+        _scoped(scope, calls)
+    assert calls == []
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    _scoped("a" * 128, calls)  # the longest accepted
+    assert calls == ["traced 8"] and keep.read_text() == "a user's file"
+
+
 def test_a_damaged_scoped_program_is_built_again(no_cache, tmp_path, monkeypatch, caplog):
     compile_cache.enable(tmp_path / "cache")
     _as_process(monkeypatch, 1)
