@@ -1,4 +1,5 @@
-"""Helpers the multi-process benchmarks share: finding a job's worker, reading its peak memory."""
+"""Helpers the multi-process benchmarks share: finding a job's worker, reading its peak memory,
+sizing what it wrote."""
 
 from __future__ import annotations
 
@@ -39,3 +40,8 @@ def peak_bytes(pid: str | int = "self") -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def disk_bytes(path: pathlib.Path) -> int:
+    """Bytes of every file under ``path``."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
-from jobs import peak_bytes, worker_pid  # benchmarks/jobs.py, beside this script
+from jobs import disk_bytes, peak_bytes, worker_pid  # benchmarks/jobs.py, beside this script
 
 import spare_jax
 from spare_jax import cli
@@ -135,10 +135,6 @@ def _peaks(workdir: str) -> dict[int, int]:
     return peaks
 
 
-def _disk(folder: pathlib.Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
 def _cache_disk(workdir: str) -> dict:
     """Bytes on disk of the job's compile cache (``fit``'s default, ``WORKDIR/compile_cache``):
     JAX's own entries (written by process 0 only) and, per process, its own store
@@ -150,8 +146,8 @@ def _cache_disk(workdir: str) -> dict:
     own, scoped = {}, {}
     for folder in sorted(cache.glob("process-*")):
         p = int(folder.name.split("-")[1])
-        scoped[p] = _disk(folder / "scoped") if (folder / "scoped").is_dir() else 0
-        own[p] = _disk(folder) - scoped[p]
+        scoped[p] = disk_bytes(folder / "scoped") if (folder / "scoped").is_dir() else 0
+        own[p] = disk_bytes(folder) - scoped[p]
     jax_own = sum(f.stat().st_size for f in cache.iterdir() if f.is_file())
     return {"jax_bytes": jax_own, "own_bytes": own, "scoped_bytes": scoped}
 

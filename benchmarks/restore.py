@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
-from jobs import peak_bytes  # benchmarks/jobs.py: this script's directory is on sys.path
+from jobs import disk_bytes, peak_bytes  # benchmarks/jobs.py, beside this script
 
 import spare_jax
 from spare_jax import cli, errors
@@ -217,10 +217,6 @@ def _reached(workdir: str) -> int:
     return max((r["step"] for r in records if "loss" in r), default=-1)
 
 
-def _size(path: pathlib.Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def _written(state_dir: pathlib.Path, k: int) -> dict[int, int]:
     """Bytes of a checkpoint's state on disk, by the process that wrote them.
 
@@ -228,8 +224,8 @@ def _written(state_dir: pathlib.Path, k: int) -> dict[int, int]:
     the rest (the merged manifest, the metadata, or the whole ``replica.npz``)
     is the writer's, process 0 here.
     """
-    own = {p: _size(state_dir / f"ocdbt.process_{p}") for p in range(k)}
-    own[0] += _size(state_dir) - sum(own.values())
+    own = {p: disk_bytes(state_dir / f"ocdbt.process_{p}") for p in range(k)}
+    own[0] += disk_bytes(state_dir) - sum(own.values())
     return own
 
 
