@@ -5,12 +5,18 @@
     python benchmarks/rejoin_state.py --case=stall --sizes_mb=16,64,256 --out=runs/rebuild
     python benchmarks/rejoin_state.py --sizes_mb=2200 --processes=2   # over 2 GiB, 2 workers
     python benchmarks/rejoin_state.py --sizes_mb=512 --processes=4 --processes_per_group=2
+    python benchmarks/rejoin_state.py --sizes_mb=512 --params=array,function --optimizer=adam
 
 Each job is ``--processes`` workers (3 unless told) of one CPU device each
 (one group each, r = 2) under ``python -m spare_jax.launch``; the model is
 one float32 matrix of ``--sizes_mb`` trained with SGD (the loss touches
 every element, so every step's gradient and cross-group sum is the whole
-state). ``--processes_per_group=P`` makes each group P consecutive workers,
+state; ``--optimizer=adam`` keeps two moments beside it, the state then 3x
+the matrix). ``--params`` picks how the worker hands `fit` the initial
+parameters: a host NumPy array (kept by the caller and `fit` for the whole
+run: one more state on every process's host) or a function, built on the
+devices in their shards; naming both runs one job of each per size, side by
+side. ``--processes_per_group=P`` makes each group P consecutive workers,
 the matrix sharded over them by rows (FSDP, an inner mesh axis ``fsdp``):
 each process holds 1/P of the state. A lost process then takes its group,
 the group's other workers leave (77), and all P are replaced and join
@@ -36,13 +42,14 @@ sends the launcher SIGTERM (the workers save and leave, exit 143). Printed
 per size, from the writer's ``rejoin`` (``collectives_rebuilt``) event and
 the workers' logs: the bytes moved (kept on the host), the seconds, whether
 the job relaunched (it must not), and every worker's peak resident memory
-(``VmHWM``) as a multiple of the state: when the driver stops the job (after
-the re-join or the rebuild, the replacement's for process 1), and at exit
-(the stop's save included); for a stall also just before worker 1 stops, so what
-the rebuild added shows; and the compile cache's bytes on disk (JAX's entries,
-and each process's own and scoped stores), which depend on the programs, not
-on the state's size. ``--out`` keeps the jobs and a JSON of the figures
-(appended to ``rejoin_state.json``).
+(``VmHWM``) as a multiple of the state, whole and above what the worker held
+just before `fit` (Python, JAX and the backend: the runtime's own): when the
+driver stops the job (after the re-join or the rebuild, the replacement's for
+process 1), and at exit (the stop's save included); for a stall also just
+before worker 1 stops, so what the rebuild added shows; and the compile
+cache's bytes on disk (JAX's entries, and each process's own and scoped
+stores), which depend on the programs, not on the state's size. ``--out``
+keeps the jobs and a JSON of the figures (appended to ``rejoin_state.json``).
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ from spare_jax.runlog import read_records
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLS = 1024
 PEAK = "rejoin_state: peak resident bytes "
+RUNTIME = "rejoin_state: resident bytes before fit "
 
 _SIZES = flags.DEFINE_list("sizes_mb", ["1200"], "State sizes (MB of float32 parameters).")
 _STEPS = flags.DEFINE_integer(
@@ -99,10 +107,27 @@ _PER_GROUP = flags.DEFINE_integer(
     "Workers per group (each holds 1/P of the state, sharded by rows); divides --processes.",
     lower_bound=1,
 )
+_PARAMS = flags.DEFINE_list(
+    "params",
+    ["array"],
+    "How the worker hands fit its initial parameters, one job per form and size: array (a "
+    "host NumPy matrix, which the caller and fit keep for the whole run) or function (a "
+    "function fit runs as one program, the parameters born in their shards on the devices).",
+)
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer",
+    "sgd",
+    ["sgd", "adam"],
+    "sgd: the state is the matrix; adam: the matrix and its two moments (3x the matrix), "
+    "--sizes_mb the whole state's.",
+)
 _OUT = flags.DEFINE_string("out", "", "Directory for the jobs and rejoin_state.json (optional).")
 _ROLE = flags.DEFINE_enum("role", "driver", ["driver", "worker"], "Internal: worker mode.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Internal: the worker's work directory.")
 _SIZE = flags.DEFINE_integer("size_mb", 0, "Internal: the worker's state size (MB).")
+_FORM = flags.DEFINE_enum(
+    "form", "array", ["array", "function"], "Internal: the worker's --params."
+)
 
 
 def _loss(params, batch):
@@ -113,10 +138,15 @@ def _groups() -> int:
     return _PROCESSES.value // _PER_GROUP.value
 
 
+def _copies() -> int:
+    """The state's bytes over the matrix's: SGD keeps the matrix, Adam two moments beside it."""
+    return 3 if _OPTIMIZER.value == "adam" else 1
+
+
 def _rows(size_mb: int) -> int:
-    """The matrix's rows: ``size_mb`` of float32, a multiple of the workers per group."""
+    """The matrix's rows: a state of ``size_mb`` of float32, a multiple of the workers per group."""
     per = _PER_GROUP.value
-    return -(-max(size_mb * 10**6 // (4 * COLS), 1) // per) * per
+    return -(-max(size_mb * 10**6 // (4 * COLS * _copies()), 1) // per) * per
 
 
 def _batches(t: int) -> dict[str, np.ndarray]:
@@ -172,14 +202,20 @@ def _worker() -> None:
     else:  # a group is `per` consecutive workers; the matrix is split over them by rows
         mesh = spare_jax.make_mesh(f"data:1,redundancy:{_groups()},fsdp:{per}")
         specs = {"w": jax.P("fsdp", None)}
+    tx = optax.adam(1e-3) if _OPTIMIZER.value == "adam" else optax.sgd(1e-3)
     step = spare_jax.make_train_step(
-        _loss, optax.sgd(1e-3), mesh, redundancy=2, microbatches=2, param_specs=specs
+        _loss, tx, mesh, redundancy=2, microbatches=2, param_specs=specs
     )
     rows = _rows(_SIZE.value)
+    if _FORM.value == "array":
+        params = {"w": np.full((rows, COLS), 0.5, np.float32)}
+    else:
+        params = lambda: {"w": jnp.full((rows, COLS), 0.5, jnp.float32)}
+    print(f"{RUNTIME}{peak_bytes()}", flush=True)  # Python, JAX, the backend: no state yet
     try:
         spare_jax.fit(
             step,
-            {"w": np.full((rows, COLS), 0.5, np.float32)},
+            params,
             _batches,
             steps=_STEPS.value,
             workdir=_WORKDIR.value,
@@ -190,7 +226,7 @@ def _worker() -> None:
         print(f"{PEAK}{peak_bytes()}", flush=True)
 
 
-def _job(workdir: str, size_mb: int, case: str) -> dict:
+def _job(workdir: str, size_mb: int, case: str, form: str) -> dict:
     # A survivor may wait in a collective that its peer left on the dead one's error until
     # this passes; the whole state's all-reduce must fit in it (300 s at 1.2 GB).
     timeout = max(30, size_mb // 4)
@@ -216,6 +252,8 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         f"--steps={_STEPS.value}",
         f"--processes={_PROCESSES.value}",
         f"--processes_per_group={_PER_GROUP.value}",
+        f"--form={form}",
+        f"--optimizer={_OPTIMIZER.value}",
     ]
     event = "rejoin" if case == "rejoin" else "collectives_rebuilt"
     os.makedirs(workdir, exist_ok=True)
@@ -252,14 +290,17 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
                 proc.wait()
     records = read_records(path)
     found = [r for r in records if r.get("event") == event]
-    peaks = {}
+    peaks, runtime = {}, {}
     for log in sorted(pathlib.Path(workdir, "launch").glob("worker-*.log")):
-        last = re.findall(rf"{PEAK}(\d+)", log.read_text(errors="replace"))
-        if last:
-            peaks[int(log.stem.split("-")[1])] = int(last[-1])  # the last: a replacement's
-    state = _rows(size_mb) * COLS * 4
+        text, p = log.read_text(errors="replace"), int(log.stem.split("-")[1])
+        last, own = re.findall(rf"{PEAK}(\d+)", text), re.findall(rf"{RUNTIME}(\d+)", text)
+        if last and own:  # the last of each: a replacement's
+            peaks[p], runtime[p] = int(last[-1]), int(own[-1])
+    state = _rows(size_mb) * COLS * 4 * _copies()
     figures = {
         "case": case,
+        "params": form,
+        "optimizer": _OPTIMIZER.value,
         "processes": _PROCESSES.value,
         "processes_per_group": _PER_GROUP.value,
         "size_mb": size_mb,
@@ -267,6 +308,10 @@ def _job(workdir: str, size_mb: int, case: str) -> dict:
         "exit": proc.returncode,
         "relaunched": any(r.get("event") == "relaunch" for r in records),
         "peak_rss_over_state": {p: round(b / state, 2) for p, b in sorted(peaks.items())},
+        "runtime_bytes": dict(sorted(runtime.items())),
+        "peak_above_runtime_over_state": {
+            p: round((b - runtime[p]) / state, 2) for p, b in sorted(peaks.items())
+        },
         "compile_cache": _cache_disk(workdir),
     }
     if stalls:
@@ -288,19 +333,24 @@ def _line(figures: dict) -> str:
     size, ok = figures["size_mb"], not figures["relaunched"]
     if figures["case"] == "rejoin":
         if "bytes" not in figures:
-            return f"{size} MB: no re-join (exit {figures['exit']})"
+            return (
+                f"{size} MB, parameters as {figures['params']}: no re-join (exit {figures['exit']})"
+            )
         return (
-            f"{size} MB, {figures['processes_per_group']} process(es) a group: re-joined "
+            f"{size} MB, {figures['processes_per_group']} process(es) a group, "
+            f"{figures['optimizer']}, parameters as {figures['params']}: re-joined "
             f"without a relaunch: {ok}; "
             f"{figures['bytes'] / 1e6:.0f} MB moved in {figures['move_s']:.2f} s "
             f"({figures['move_mb_s']:.0f} MB/s); replacement's start to its first step "
             f"{figures['join_s']:.1f} s; peak RSS / state per process "
-            f"{figures['peak_rss_over_state']}; {_cache_line(figures['compile_cache'])}"
+            f"{figures['peak_rss_over_state']}, above the runtime's own "
+            f"{figures['peak_above_runtime_over_state']}; {_cache_line(figures['compile_cache'])}"
         )
     if "rebuild_s" not in figures:
         return f"{size} MB: no rebuild (exit {figures['exit']})"
     return (
-        f"{size} MB: collectives rebuilt without a relaunch: {ok}; "
+        f"{size} MB, {figures['optimizer']}, parameters as {figures['params']}: collectives "
+        f"rebuilt without a relaunch: {ok}; "
         f"{figures['host_bytes'] / 1e6:.0f} MB kept on the writer's host; rebuild "
         f"{figures['rebuild_s']:.2f} s, then {figures['compile_s']:.2f} s compiling "
         f"({figures['cache_hits']} cache hits); peak RSS / state per process before the stall "
@@ -336,17 +386,23 @@ def main(argv: list[str]) -> None:
             f"--processes_per_group={_PER_GROUP.value} must divide --processes="
             f"{_PROCESSES.value} into 2 groups or more"
         )
+    if not _PARAMS.value or set(_PARAMS.value) - {"array", "function"}:
+        raise app.UsageError(f"--params must name array and/or function, got {_PARAMS.value}")
     if _KILL_STEP.value >= _STEPS.value - 1:
         raise app.UsageError("--kill_step must leave steps for the re-join (< --steps - 1)")
     keep = cli.output_dir("out", _OUT.value) if _OUT.value else ""
     base = keep or tempfile.mkdtemp(prefix="spare_rejoin_state_")
     results = []
-    for size in sizes:
+    for size, form in [(s, f) for s in sizes for f in _PARAMS.value]:
         name = f"{_CASE.value}-{size}mb-{_PROCESSES.value}p"
         if _PER_GROUP.value > 1:
             name += f"-{_PER_GROUP.value}pg"
+        name += "" if form == "array" else "-function"
+        name += "" if _OPTIMIZER.value == "sgd" else "-adam"
         workdir = os.path.join(base, name)
-        figures = _job(workdir, size, _CASE.value)
+        if os.path.exists(workdir):  # an earlier run's job: kept, never overwritten
+            workdir = tempfile.mkdtemp(prefix=name + "-", dir=base)
+        figures = _job(workdir, size, _CASE.value, form)
         results.append(figures)
         print(json.dumps(figures), flush=True)
         print(_line(figures), flush=True)

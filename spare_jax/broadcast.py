@@ -35,6 +35,7 @@ docs/checkpointing.md, "Moving the state".
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import math
@@ -363,7 +364,10 @@ def assemble(
     """A receiver's leaves, on ``shardings`` (the live mesh's), from its devices' streams.
 
     The devices must be the transfer's (same ids, same inner coordinates).
-    Each piece is a view into its stream, placed on its device.
+    Each piece is a view into its stream, placed on its device; the leaves
+    are ready when this returns, so the streams can go before the next
+    program runs (placing copies in the background: else the streams, their
+    copies and the step's buffers would be alive at once).
     """
     leaves = []
     for i, (leaf, sharding) in enumerate(zip(abstract, shardings, strict=True)):
@@ -373,8 +377,9 @@ def assemble(
             carrier, piece = plan.find[i, coord]
             raw = received[int(plan.grid[row, carrier])][piece.offset : piece.offset + piece.nbytes]
             parts.append(jax.device_put(raw.view(piece.dtype).reshape(piece.shape), device))
-        leaves.append(jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, parts))
-    return leaves
+        placed = jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, parts)
+        leaves.append(mesh_lib.owning(placed, list(received.values())))
+    return jax.block_until_ready(leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,4 +415,21 @@ def move(
     received, transfer = send_and_receive(mesh, plan, source_row, host, schedule, scope)
     shardings = [a.sharding for a in abstract]
     leaves = assemble(plan, received, abstract, shardings) if received else None
+    del received
+    _release_freed_memory()
     return Moved(plan.payload_bytes, transfer, leaves)
+
+
+def _release_freed_memory() -> None:
+    """Hand the transfer's freed chunks back to the system.
+
+    glibc keeps freed blocks below its mmap threshold (which grows to 32 MB)
+    in the process's heaps: without this, a sender's 8 MB chunks stayed in
+    its resident memory after the transfer, 0.4-0.75 of a 512 MB state above
+    its peers' peak for the rest of the run. Elsewhere (not glibc) there is
+    nothing to do.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

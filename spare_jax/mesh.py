@@ -58,6 +58,7 @@ __all__ = [
     "logical_spec",
     "make_mesh",
     "num_groups",
+    "owning",
     "parse_axes",
     "put",
     "replicated",
@@ -294,16 +295,38 @@ def shaped(params: Any) -> Any:
         raise ValueError(f"params(): {str(err).splitlines()[0]}") from err
 
 
-def put(value: Any, sharding: NamedSharding) -> jax.Array:
+def put(value: Any, sharding: NamedSharding, *, own: bool = True) -> jax.Array:
     """A fresh placed copy; host values go through a callback so each process sends its shards.
 
     Device arrays are copied first: `device_put` reuses the source buffer for
     one of the destination shards (even with ``may_alias=False``), and the
-    step donates its state, which would delete the caller's array.
+    step donates its state, which would delete the caller's array. ``own``:
+    never borrow host memory (`owning`), for what a step donates; a value only
+    read (the step's slot tables) may skip that check.
     """
     if isinstance(value, jax.Array) and (
         sharding.is_fully_addressable or not value.is_fully_addressable
     ):
         return jax.device_put(value.copy(), sharding)
     host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    placed = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return owning(placed, [host]) if own else placed
+
+
+def owning(x: jax.Array, hosts: Sequence[np.ndarray]) -> jax.Array:
+    """``x``, placed from the host arrays ``hosts``, with device buffers of its own.
+
+    On CPU, placing an aligned host array may borrow its memory instead of
+    copying it. A step cannot donate a borrowed buffer: it allocates its
+    output beside it, one more copy of the state at the first step after a
+    restore or a re-join. Borrowed shards are copied once, on the devices;
+    where placing copied already (an accelerator), nothing is.
+    """
+    spans = [(h.ctypes.data, h.ctypes.data + h.nbytes) for h in hosts if h.nbytes]
+    try:
+        pointers = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+    except (RuntimeError, NotImplementedError):  # a backend that does not say: keep it
+        return x
+    if any(lo <= p < hi for p in pointers for lo, hi in spans):
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return x

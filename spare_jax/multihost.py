@@ -415,9 +415,10 @@ def own_shards(x: jax.Array) -> dict[tuple, np.ndarray]:
 
 def from_shards(shards: dict[tuple, np.ndarray], like: jax.ShapeDtypeStruct) -> jax.Array:
     """The global array ``like`` from every process's `own_shards` (its inverse)."""
-    return jax.make_array_from_callback(
+    placed = jax.make_array_from_callback(
         like.shape, like.sharding, lambda index: shards[_index_key(index)]
     )
+    return mesh_lib.owning(placed, list(shards.values()))
 
 
 def _index_key(index: tuple) -> tuple:
@@ -438,7 +439,9 @@ def local_view(state: Any) -> Any:
 
 def from_local(local: Any, shardings: Any) -> Any:
     """The global state from every process's host replica (the inverse of `local_view`)."""
-    place = lambda h, s: jax.make_array_from_callback(h.shape, s, lambda index: h[index])
+    place = lambda h, s: mesh_lib.owning(
+        jax.make_array_from_callback(h.shape, s, lambda index: h[index]), [np.asarray(h)]
+    )
     return jax.tree.map(place, local, shardings)
 
 

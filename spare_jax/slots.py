@@ -222,11 +222,11 @@ class Tables:
         bound = max(bound, host.width)
         padded = host.pad(bound)
         placed = Slots(
-            index=mesh_lib.put(padded.index[self.rows], self._group),
-            weight=mesh_lib.put(padded.weight[self.rows], self._group),
-            alive=mesh_lib.put(padded.alive[self.rows], self._group),
-            denom=mesh_lib.put(padded.denom, self._rep),
-            n_slots=mesh_lib.put(padded.n_slots, self._rep),
+            index=mesh_lib.put(padded.index[self.rows], self._group, own=False),
+            weight=mesh_lib.put(padded.weight[self.rows], self._group, own=False),
+            alive=mesh_lib.put(padded.alive[self.rows], self._group, own=False),
+            denom=mesh_lib.put(padded.denom, self._rep, own=False),
+            n_slots=mesh_lib.put(padded.n_slots, self._rep, own=False),
         )
         filled = np.where(padded.index >= 0, np.arange(1, padded.width + 1), 0)
         walked = filled.max(axis=1).astype(np.int32)

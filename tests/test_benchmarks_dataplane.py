@@ -219,17 +219,27 @@ def test_state_benchmark_on_gpu_says_it_needs_three(tmp_path):
 
 @pytest.mark.slow  # starts processes: run after the README's command
 @pytest.mark.parametrize(
-    "processes, per_group", [(2, 1), (3, 1), (4, 2)], ids=["2", "3", "4 spanning"]
+    "processes, per_group, optimizer, params",
+    [
+        (2, 1, "sgd", "array"),
+        (3, 1, "sgd", "array"),
+        (4, 2, "sgd", "array"),
+        (2, 1, "adam", "function"),
+    ],
+    ids=["2", "3", "4 spanning", "2 adam function"],
 )
-def test_rejoin_state_benchmark_tiny(tmp_path, processes, per_group):
+def test_rejoin_state_benchmark_tiny(tmp_path, processes, per_group, optimizer, params):
     """A 16 MB state re-joins through fit: no relaunch, every byte of it moved, peaks recorded
     (2 workers: the lone survivor sends it, as in the benchmark's run over 2 GiB; 4 in
-    groups of 2: both of the lost group's workers replaced, the state sent from halves)."""
+    groups of 2: both of the lost group's workers replaced, the state sent from halves;
+    Adam's state, the matrix and its two moments, from parameters built by a function)."""
     result = _run(
         "rejoin_state.py",
         "--sizes_mb=16",
         f"--processes={processes}",
         f"--processes_per_group={per_group}",
+        f"--optimizer={optimizer}",
+        f"--params={params}",
         f"--out={tmp_path}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -241,6 +251,8 @@ def test_rejoin_state_benchmark_tiny(tmp_path, processes, per_group):
     assert _positive(record["move_s"]) and _positive(record["join_s"]), record
     assert record["processes"] == processes, record
     assert record["processes_per_group"] == per_group, record
+    assert (record["optimizer"], record["params"]) == (optimizer, params), record
+    assert 15e6 <= record["state_bytes"] <= 17e6, record  # --sizes_mb is the whole state's
     assert sorted(record["peak_rss_over_state"]) == [str(p) for p in range(processes)], record
     cache = record["compile_cache"]  # every process kept its programs, in both stores
     for store in ("own_bytes", "scoped_bytes"):

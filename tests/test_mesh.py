@@ -71,3 +71,50 @@ def test_agree_gives_one_vote_per_flag(flags):
     votes = multihost.agree(mesh, *flags)
     assert votes.shape == (len(flags),)
     assert np.asarray(votes).tolist() == [int(f) for f in flags]
+
+
+def _page_aligned(shape: tuple[int, ...]) -> np.ndarray:
+    """A host array that starts on a page: one that CPU placement can borrow, not copy."""
+    n = int(np.prod(shape))
+    raw = np.empty(n + 1024, np.float32)
+    start = (-raw.ctypes.data % 4096) // 4
+    host = raw[start : start + n].reshape(shape)
+    host[...] = np.arange(n, dtype=np.float32).reshape(shape)
+    return host
+
+
+def _pointers(x: jax.Array) -> set[int]:
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
+@pytest.mark.parametrize("spec", [(), ("fsdp",), ("redundancy", "fsdp")])
+@pytest.mark.parametrize("place", ["put", "from_local", "from_shards"])
+def test_state_placed_from_the_host_owns_its_buffers_so_a_step_can_donate_them(place, spec):
+    """Every path that puts host arrays back on the devices (initial parameters, a replica
+    checkpoint's restore, the shards kept across a backend reset) gives arrays whose
+    buffers are their own: the donating step then writes its output over its input instead
+    of allocating one more state beside a borrowed host buffer."""
+    from spare_jax import multihost
+
+    mesh = jax.make_mesh((2, 4), ("redundancy", "fsdp"))
+    sharding = jax.sharding.NamedSharding(mesh, PartitionSpec(*spec))
+    host = _page_aligned((64, 256))
+    hosts = [host]
+    if place == "put":
+        x = mesh_lib.put(host, sharding)
+    elif place == "from_local":
+        (x,) = multihost.from_local([host], [sharding])
+    else:
+        shards = multihost.own_shards(mesh_lib.put(host, sharding))
+        for key, shard in shards.items():  # each kept shard on a page of its own
+            shards[key] = _page_aligned(shard.shape)
+            shards[key][...] = shard
+        hosts = list(shards.values())
+        like = jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)
+        x = multihost.from_shards(shards, like)
+    spans = [(h.ctypes.data, h.ctypes.data + h.nbytes) for h in hosts]
+    assert not any(lo <= p < hi for p in _pointers(x) for lo, hi in spans)
+    np.testing.assert_array_equal(np.asarray(x), np.arange(64 * 256).reshape(64, 256))
+    before = _pointers(x)
+    out = jax.jit(lambda a: a * 2 + 1, donate_argnums=0, out_shardings=sharding)(x)
+    assert x.is_deleted() and _pointers(out) == before  # written in place
