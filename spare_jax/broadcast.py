@@ -68,7 +68,7 @@ __all__ = [
 
 CHUNK_BYTES = 8 << 20  # per device and collective (benchmarks/state.py --chunk_mb tries others)
 SCHEDULES = ("auto", "chain", "doubling")
-_ALIGN = 64  # each piece starts on this boundary, so a receiver's view needs no copy
+_ALIGN = 64  # each piece starts on this boundary: a receiver views it in place, never unaligned
 
 
 @dataclasses.dataclass(frozen=True)
