@@ -41,9 +41,12 @@ def install_handlers(*, joined: bool) -> None:
 
     def hook(kind, value, tb):
         if isinstance(value, errors.FitError):
-            sys.stderr.write(f"{os.path.basename(sys.argv[0] or 'python')}: {value}\n")
+            line = f"{os.path.basename(sys.argv[0] or 'python')}: {value}"
+            sys.stderr.write(line + "\n")
             sys.stderr.flush()
-            runlog.emit("exit", status=value.exit_status)
+            # The line again in the event: a runtime's stray output (Gloo writes its
+            # lines in pieces) can land after it in the log, never inside an event.
+            runlog.emit("exit", status=value.exit_status, line=line)
             sys.stdout.flush()
             if joined:
                 leave()

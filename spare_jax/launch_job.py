@@ -287,6 +287,7 @@ class Job:
             self.resumed = True
         elif kind == "exit":
             worker.said_status = int(event.get("status", 1))
+            worker.said_line = str(event.get("line", ""))
         elif kind == "finished":
             worker.finished = True
 
@@ -463,7 +464,8 @@ class Job:
         for w in self.workers:
             c = w.code
             if c is not None and c not in NOT_A_VERDICT and c > 0:
-                return c, w.last_line
+                said = w.said_line if w.said_status == c else ""  # not an earlier run's
+                return c, said or w.last_line
         return 1, ""
 
     def kill(self) -> None:

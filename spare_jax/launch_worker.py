@@ -91,6 +91,7 @@ class Worker:
     injected: bool = False  # killed by the fault injector
     declared_dead: bool = False  # the job went on without it
     last_line: str = ""
+    said_line: str = ""  # the line it exited with (its ``exit`` event), whatever came after
     replaces_step: int = -1  # a replacement: "dead" events up to this step were its forerunner's
     dead_step: int = -1  # the step during which the job declared it dead
     gone_at: float | None = None  # when the launcher saw it gone after it was declared dead

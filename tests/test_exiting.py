@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,14 +11,17 @@ import time
 
 import pytest
 
+from spare_jax import runlog
 
-def _run(code: str) -> subprocess.CompletedProcess:
+
+def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        env=env,
     )
 
 
@@ -56,14 +61,24 @@ def test_an_exit_stuck_in_leaving_the_job_is_cut_short():
 
 
 @pytest.mark.parametrize("joined", [True, False])
-def test_a_fit_error_exits_with_its_status_on_one_line(joined):
+def test_a_fit_error_exits_with_its_status_on_one_line(joined, tmp_path):
     done = _run(
         f"""
         from spare_jax import errors, exiting
         exiting.install_handlers(joined={joined})
         raise errors.Relaunch("the peers are gone")
-        """
+        """,
+        env={**os.environ, "SPARE_JAX_LAUNCH_DIR": str(tmp_path)},  # as under the launcher
     )
     assert done.returncode == 75, done.stderr[-2000:]
     assert done.stderr.strip().endswith("the peers are gone"), done.stderr
     assert "Traceback" not in done.stderr
+    # The launcher relays the line from the exit event: output written after it cannot
+    # take its place (a Gloo line's tail once did, in CI).
+    (event,) = [
+        json.loads(x.split(runlog.EVENT, 1)[1])
+        for x in done.stdout.splitlines()
+        if runlog.EVENT in x
+    ]
+    assert event["kind"] == "exit" and event["status"] == 75, event
+    assert event["line"] == done.stderr.strip().splitlines()[-1], event
