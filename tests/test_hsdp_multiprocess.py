@@ -131,8 +131,10 @@ def test_a_process_of_a_spanning_group_killed_masks_its_group(env, tmp_path, cas
         assert re.search(r"Gloo \S+ failed|" + re.escape(lj.GLOO_MISMATCH), logs), logs[-3000:]
         lj.assert_params(tmp_path, want, range(processes))
     else:
+        # The mate may leave before the survivors' check (a collective of its own update
+        # failed first): then they find both gone at once.
         failures = lj.events(tmp_path, "process_failure")
-        assert failures[0]["process"] == [victim]
+        assert failures[0]["process"] in ([victim], sorted([victim, mate])), failures
         assert not lj.events(tmp_path, "relaunch") and not lj.events(tmp_path, "resume")
         lj.assert_params(tmp_path, want, survivors)
         assert not (tmp_path / f"params-{mate}.npz").exists()  # it left with its group
