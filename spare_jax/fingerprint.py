@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spare_jax import errors
+from spare_jax import compile_cache, errors
 
 __all__ = [
     "check",
@@ -101,7 +101,8 @@ def _executable(stacks: Any) -> Any:
     if key not in _EXECUTABLES:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
         lowered = _program(sharding.mesh).lower(jax.tree.unflatten(tree, abstract))
-        _EXECUTABLES[key] = lowered.compile()
+        devices = list(sharding.mesh.devices.flat)  # a relaunch or replacement loads it
+        _EXECUTABLES[key] = compile_cache.compile_lowered(lowered, devices)
     return _EXECUTABLES[key]
 
 

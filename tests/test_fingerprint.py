@@ -110,3 +110,22 @@ def test_a_precompiled_layout_is_not_compiled_again():
     fps = fingerprint.fingerprints(stacks)
     assert len(fingerprint._EXECUTABLES) == compiled and fps.shape == (3, 4)
     assert not fingerprint.disagreements(fps, survivors._unit_ids)
+
+
+def test_the_program_is_compiled_through_the_process_s_own_store(monkeypatch):
+    """A relaunched or replacement process loads the check's program from its own store
+    (`compile_cache.compile_lowered`) instead of compiling it again."""
+    step = _step()
+    survivors = step.on_mesh(spare_jax.make_mesh((1, 2, 2), jax.devices()[:4]), np.array([0, 2]))
+    stacks = survivors.stacks(regression.batches(0))
+    real = fingerprint.compile_cache.compile_lowered
+    seen = []
+
+    def spy(lowered, devices):
+        seen.append([d.id for d in devices])
+        return real(lowered, devices)
+
+    monkeypatch.setattr(fingerprint.compile_cache, "compile_lowered", spy)
+    fps = fingerprint.fingerprints(stacks)
+    assert seen == [[d.id for d in survivors.mesh.devices.flat]]
+    assert fps.shape == (2, 4) and not fingerprint.disagreements(fps, survivors._unit_ids)
