@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from spare_jax import launch_worker
+from spare_jax import launch_worker, multihost
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def test_a_compiled_and_a_loaded_copy_of_one_program_run_a_collective_together(l
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
-        "--xla_cpu_collective_timeout_seconds=20",
+        + multihost.collective_timeout_flag(20),
         "JAX_PLATFORMS": "cpu",
     }
     procs = [
