@@ -5,8 +5,11 @@ with the same programs loaded from their serialized bytes in another (JAX's
 cache writes from process 0 while the others may still be compiling, and
 `spare_jax.compile_cache` loads a process's programs from its own store where
 a peer compiled them afresh). The two must run a collective together. JAX
-0.12.1 hangs in that case on CPU (README, "Tested versions"); this test is the
-check to run before admitting a new JAX.
+0.12.1 hangs in that case on CPU: its runtime pairs a collective's processes
+by a launch id drawn from the program's fingerprint, and a loaded copy has
+another fingerprint than the compiled program (README, "Tested versions",
+also for the launch count that rules out a re-join on 0.12.1). This test and
+tests/test_rejoin.py are the checks to run before admitting a new JAX.
 """
 
 from __future__ import annotations
