@@ -327,6 +327,9 @@ def owning(x: jax.Array, hosts: Sequence[np.ndarray]) -> jax.Array:
         pointers = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
     except (RuntimeError, NotImplementedError):  # a backend that does not say: keep it
         return x
-    if any(lo <= p < hi for p in pointers for lo, hi in spans):
-        return jax.device_put(x, x.sharding, may_alias=False)
-    return x
+    if not any(lo <= p < hi for p in pointers for lo, hi in spans):
+        return x
+    # shard by shard: a copy of a global array is a compiled program per shape and
+    # layout when the array spans processes, and after a backend reset none is cached
+    copies = [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
