@@ -59,6 +59,47 @@ def env(cache: pathlib.Path) -> dict[str, str]:
     }
 
 
+def run_script_pair(
+    script: str, args: list[list[str]], devices: int, timeout: float = 90.0
+) -> list[tuple[int, str]]:
+    """Run ``script`` as process 0 and 1 of a two-process JAX job on CPU: (status, output) each.
+
+    Each gets a free coordinator port, its id and its own ``args`` after them,
+    ``devices`` CPU devices and a 20 s collective timeout. The waits are bounded;
+    one still running at the end goes by SIGKILL (JAX catches SIGTERM).
+    """
+    from spare_jax import launch_worker, multihost
+
+    port = launch_worker.free_port()
+    flags = f"--xla_force_host_platform_device_count={devices} "
+    worker_env = {
+        **os.environ,
+        "XLA_FLAGS": flags + multihost.collective_timeout_flag(20),
+        "JAX_PLATFORMS": "cpu",
+    }
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "-c", script, str(port), str(me), *extra],
+            env=worker_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for me, extra in enumerate(args)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outputs
+
+
 def regression_command(workdir: pathlib.Path, *args: str) -> list[str]:
     return [PYTHON, str(ROOT / "experiments" / "regression.py"), f"--workdir={workdir}", *args]
 

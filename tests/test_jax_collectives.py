@@ -14,13 +14,8 @@ tests/test_rejoin.py are the checks to run before admitting a new JAX.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-from spare_jax import launch_worker, multihost
+from launching import run_script_pair
 
 pytestmark = pytest.mark.slow
 
@@ -54,33 +49,7 @@ print("received", float(np.asarray(out.addressable_shards[0].data).ravel()[0]), 
     "loads", [(0, 0), (1, 1), (0, 1)], ids=["both_compiled", "both_loaded", "one_of_each"]
 )
 def test_a_compiled_and_a_loaded_copy_of_one_program_run_a_collective_together(loads):
-    port = launch_worker.free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
-        + multihost.collective_timeout_flag(20),
-        "JAX_PLATFORMS": "cpu",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(port), str(me), str(load)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for me, load in enumerate(loads)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=90)
-            outputs.append((p.returncode, out))
-    finally:
-        for p in procs:  # JAX catches SIGTERM: a hung one goes by SIGKILL
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outputs = run_script_pair(WORKER, [[str(load)] for load in loads], devices=1)
     for me, (code, out) in enumerate(outputs):
         assert code == 0, f"process {me} (loaded: {bool(loads[me])}):\n{out[-2000:]}"
         # each receives its peer's value (the peer's index + 1), doubled

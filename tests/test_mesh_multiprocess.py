@@ -12,13 +12,8 @@ array span processes.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-from spare_jax import launch_worker, multihost
+from launching import run_script_pair
 
 pytestmark = pytest.mark.slow
 
@@ -86,33 +81,7 @@ print(f"borrowed {borrowed} compiled {compiled} owned {owned} exact {exact}", fl
 
 
 def test_shards_placed_again_across_processes_are_owned_without_compiling():
-    port = launch_worker.free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
-        + multihost.collective_timeout_flag(20),
-        "JAX_PLATFORMS": "cpu",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(port), str(me)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for me in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=90)
-            outputs.append((p.returncode, out))
-    finally:
-        for p in procs:  # JAX catches SIGTERM: a hung one goes by SIGKILL
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outputs = run_script_pair(WORKER, [[], []], devices=2)
     for me, (code, out) in enumerate(outputs):
         assert code == 0, f"process {me}:\n{out[-2000:]}"
         # placing the aligned shards as they are borrows them (else nothing is checked),
