@@ -29,7 +29,10 @@ run, medians over ``--repeats``:
   job's restored state when the survivors could not rebuild without it);
 * **re-join**: worker 2 SIGKILLed from outside with ``--replace_after_s=0``:
   the replacement's start to its first step in the running job
-  (``join_s``), the survivors' pause for it, the state moved and its
+  (``join_s``; of it, ``start_s``: its own start, Python, the imports, the
+  connect and the script's setup until ``fit`` asks to join, and
+  ``admit_s``: waiting for the survivors' next step boundary), the
+  survivors' pause for it, the state moved and its
   transfer time, beside the relaunch above; then the same with a warm spare
   (``--spares=1``: the replacement's place given to a process started with
   the job, its imports done; ``join_s`` from that hand-over);
@@ -331,6 +334,8 @@ def _rejoin_figures(records: list[dict]) -> dict[str, float]:
     around = [steps[t] for t in range(event["step"] - 2, event["step"] + 1) if t in steps]
     return {
         "join_s": event["join_s"],
+        "start_s": event["start_s"],
+        "admit_s": event["admit_s"],
         "transfer_s": event["transfer_s"],
         "compile_s": event["compile_s"],
         "survivors_pause_s": max(around) - median_step + event["transfer_s"],
@@ -568,7 +573,8 @@ def main(argv: list[str]) -> None:
         if "join_s" in back:
             print(
                 f"a dead worker back in the job, {how}: re-join {back['join_s']:.2f} s from the "
-                f"replacement's start to its first step (survivors paused "
+                f"replacement's start to its first step (its own start {back['start_s']:.2f} s, "
+                f"waiting to be taken in {back['admit_s']:.2f} s; survivors paused "
                 f"{back['survivors_pause_s']:.2f} s, state {back['bytes']:.0f} bytes in "
                 f"{back['transfer_s']:.2f} s) vs relaunch and restore {relaunch:.2f} s "
                 f"({back['join_s'] / relaunch:.2f}x) and the relaunched job's exit to its "

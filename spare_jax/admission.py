@@ -88,6 +88,7 @@ class Admission:
     def _join(self) -> None:
         """A replacement: wait for the survivors to see us, take a live group's state, go on."""
         me = jax.process_index()
+        ready = time.time()
         self._at("join")
         mates = np.unique(self.owners[domains.domain_of(self.owners, me)]).tolist()
         waiting: list[int] = []
@@ -105,7 +106,7 @@ class Admission:
                 waiting = missing
         epoch = self._epoch([me])
         start = time.time()
-        rejoin.announce(epoch)
+        rejoin.announce(epoch, ready, start)
         rejoin.reset_backend(epoch, fresh=True)
         meta = rejoin.receive(epoch)
         epoch = rejoin.Epoch(epoch.live, [int(p) for p in meta["joiners"]])
@@ -256,7 +257,13 @@ class Admission:
             return
         started = joining.pop("started")
         now = time.time()
-        joining["join_s"] = round(now - min(started.values()), 6) if started else None
+        if started:
+            first = min(started.values(), key=lambda t: t["started"])
+            joining["join_s"] = round(now - first["started"], 6)
+            joining["start_s"] = round(max(t["ready"] - t["started"] for t in started.values()), 6)
+            joining["admit_s"] = round(max(t["admitted"] - t["ready"] for t in started.values()), 6)
+        else:
+            joining["join_s"] = None
         self.log.event("rejoin", **joining)
         runlog.notice(
             f"process(es) {joining['process']} re-joined at step {joining['step']} "

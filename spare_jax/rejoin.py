@@ -182,16 +182,20 @@ def receive(epoch: Epoch, timeout_s: float = 300.0) -> dict[str, Any]:
     return json.loads(_client().blocking_key_value_get(epoch.key("record"), int(timeout_s * 1000)))
 
 
-def announce(epoch: Epoch) -> None:
-    """A newcomer says when the launcher started it (for the re-join's ``join_s``)."""
-    _client().key_value_set(epoch.key(f"started/{jax.process_index()}"), repr(started_at()))
+def announce(epoch: Epoch, ready_at: float, admitted_at: float) -> None:
+    """A newcomer says when the launcher started it, when it was ready to join (its
+    imports, the connect and the script's setup done) and when the survivors took it in
+    (for the re-join's ``join_s``, ``start_s`` and ``admit_s``)."""
+    times = {"started": started_at(), "ready": ready_at, "admitted": admitted_at}
+    _client().key_value_set(epoch.key(f"started/{jax.process_index()}"), json.dumps(times))
 
 
-def start_times(epoch: Epoch) -> dict[int, float]:
-    """When each newcomer of ``epoch`` was started (after the reset: all announced)."""
+def start_times(epoch: Epoch) -> dict[int, dict[str, float]]:
+    """Each newcomer's ``started``, ``ready`` and ``admitted`` wall times (all have announced
+    once the state is in place)."""
     client = _client()
     return {
-        p: float(client.blocking_key_value_get(epoch.key(f"started/{p}"), _BARRIER_MS))
+        p: json.loads(client.blocking_key_value_get(epoch.key(f"started/{p}"), _BARRIER_MS))
         for p in epoch.joiners
     }
 

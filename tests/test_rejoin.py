@@ -127,6 +127,10 @@ def _check(workdir: pathlib.Path, reference: dict, victims: list[tuple[int, int]
     assert lost == [[p] for p, _, _ in victims]
     for e in rejoins:
         assert e["join_s"] > 0 and e["transfer_s"] >= 0 and e["bytes"] > 0
+        # its own start (Python, imports, the connect, the script's setup) and the wait
+        # for the survivors' next block are parts of its way back, in that order
+        assert e["start_s"] > 0 and e["admit_s"] >= 0, e
+        assert e["start_s"] + e["admit_s"] < e["join_s"], e
         assert e["move_s"] > 0 and e["move_mb_s"] > 0, "the writer's group sent the state"
     for name in ("relaunch", "rollback", "resume"):
         assert not lj.events(workdir, name), name
