@@ -320,7 +320,7 @@ def _job(workdir: str, size_mb: int, case: str, form: str) -> dict:
         if peaks_of:
             figures[key] = {p: round(b / state, 2) for p, b in peaks_of.items()}
     if found:
-        keys = ("bytes", "move_s", "move_mb_s", "transfer_s", "join_s")
+        keys = ("bytes", "move_s", "move_mb_s", "transfer_s", "join_s", "start_s", "admit_s")
         keys += ("host_bytes", "rebuild_s", "compile_s", "cache_hits")
         figures.update({k: found[0][k] for k in keys if k in found[0]})
     if not found or figures["relaunched"]:  # the launcher's own lines say why
@@ -342,7 +342,8 @@ def _line(figures: dict) -> str:
             f"without a relaunch: {ok}; "
             f"{figures['bytes'] / 1e6:.0f} MB moved in {figures['move_s']:.2f} s "
             f"({figures['move_mb_s']:.0f} MB/s); replacement's start to its first step "
-            f"{figures['join_s']:.1f} s; peak RSS / state per process "
+            f"{figures['join_s']:.1f} s (its own start {figures['start_s']:.1f} s); peak RSS / "
+            "state per process "
             f"{figures['peak_rss_over_state']}, above the runtime's own "
             f"{figures['peak_above_runtime_over_state']}; {_cache_line(figures['compile_cache'])}"
         )

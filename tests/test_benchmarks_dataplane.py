@@ -249,6 +249,7 @@ def test_rejoin_state_benchmark_tiny(tmp_path, processes, per_group, optimizer, 
     assert not record["relaunched"] and record["exit"] == 143, record  # stopped after the join
     assert record["bytes"] >= record["state_bytes"], record  # the whole state, once
     assert _positive(record["move_s"]) and _positive(record["join_s"]), record
+    assert 0 < record["start_s"] < record["join_s"], record  # its own start: part of it
     assert record["processes"] == processes, record
     assert record["processes_per_group"] == per_group, record
     assert (record["optimizer"], record["params"]) == (optimizer, params), record
