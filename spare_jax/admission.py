@@ -12,6 +12,7 @@ newcomer rebuilds collectives that a stalled peer left closed
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,8 @@ def _host(x: Any) -> Any:
 
 class Admission:
     """Admitting a replacement, and joining as one: mixed into `Trainer`."""
+
+    _old_backend = False  # a backend was dropped, and is collected after the next step
 
     def _record(self) -> dict[str, Any]:
         """What a newcomer needs beyond the arrays: a checkpoint's record and the job's books."""
@@ -228,6 +231,7 @@ class Admission:
         if self.shared_saves and epoch.joiners:  # the newcomers write their part too
             self._regroup_saves()
         self._rejoined = back
+        self._old_backend = True
 
     def _joined(self, epoch: rejoin.Epoch, start: float, moved: broadcast.Moved) -> None:
         """Every process has its state: compile the step for the grown mesh, note the re-join."""
@@ -249,7 +253,18 @@ class Admission:
             runlog.emit("joined", step=self.t)
 
     def _note_rejoin(self) -> None:
-        """After the first step with the newcomers: the re-join on record (the writer's)."""
+        """After the first step with the newcomers: the re-join on record (the writer's).
+
+        After the first step on a new backend (a re-join or a rebuild) nothing
+        of ours refers to the old one (`rejoin.reset_backend` emptied the
+        caches that did), but its client and devices refer to each other: it
+        is collected here, at once, with its threads and, on CPU, its
+        connections to every peer, not whenever Python's cycle collector
+        runs (`tests/test_rejoin.py` counts a survivor's sockets).
+        """
+        if self._old_backend:
+            self._old_backend = False
+            gc.collect()
         if self.joining is None:
             return
         joining, self.joining = self.joining, None

@@ -42,6 +42,7 @@ __all__ = [
     "check",
     "disagreements",
     "fingerprints",
+    "forget",
     "mismatch_message",
     "precompile",
     "row_processes",
@@ -104,6 +105,13 @@ def _executable(stacks: Any) -> Any:
         devices = list(sharding.mesh.devices.flat)  # a relaunch or replacement loads it
         _EXECUTABLES[key] = compile_cache.compile_lowered(lowered, devices)
     return _EXECUTABLES[key]
+
+
+def forget() -> None:
+    """Drop every program kept here: after a backend reset they belong to the dropped
+    client and would keep it alive, with its collectives' threads and connections."""
+    _program.cache_clear()
+    _EXECUTABLES.clear()
 
 
 def precompile(stacks: Any) -> None:

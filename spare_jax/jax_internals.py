@@ -12,10 +12,11 @@ ones are used everywhere else: ``jax.distributed``, ``multihost_utils``):
   an unstable API), the cache of the last live set that
   ``multihost_utils.live_devices`` keeps, and the names XLA's CPU collectives
   give their key-value entries (`GLOO_KEYS`, `TOPOLOGY_KEY`);
-* and one of Orbax's: the timeout of its barriers between processes (a
-  module constant, 300 s, that no option sets), which a sharded save scales
-  with its bytes so that a process lost in the save holds the others only
-  that long (`orbax_barrier_timeout`).
+* and Orbax's: the timeout of its barriers between processes (a module
+  constant, 300 s, that no option sets), which a sharded save scales with
+  its bytes so that a process lost in the save holds the others only that
+  long (`orbax_barrier_timeout`); and its caches keyed by sharding, emptied
+  when a backend is dropped (`forget_orbax_shardings`).
 
 Importing this module checks that every name and keyword used here exists,
 and raises `UnsupportedJax` (one line: the JAX version and what it lacks)
@@ -45,6 +46,7 @@ __all__ = [
     "client",
     "connect_client",
     "forget_live_devices",
+    "forget_orbax_shardings",
     "live_devices_cache",
     "orbax_barrier_timeout",
     "start_service",
@@ -52,6 +54,13 @@ __all__ = [
 
 GLOO_KEYS = "cpu:gloo/"  # the CPU collectives' rendezvous keys, named by device ids only
 TOPOLOGY_KEY = "cpu:global_topology/cpu"  # process 0 sets it whenever its backend starts
+
+# Orbax's caches keyed by sharding (functools.lru_cache, 4,096 entries each).
+_ORBAX_SERIALIZATION = "orbax.checkpoint._src.serialization"
+_ORBAX_SHARDING_CACHES = (
+    (f"{_ORBAX_SERIALIZATION}.replica_slices", "_sharding_num_replicas.cache_clear"),
+    (f"{_ORBAX_SERIALIZATION}.jax_array_handlers", "_is_replicated_sharding.cache_clear"),
+)
 
 # (module, attribute path) of each name used below.
 _NAMES: tuple[tuple[str, str], ...] = (
@@ -74,6 +83,7 @@ _NAMES: tuple[tuple[str, str], ...] = (
     ("jax.extend.backend", "clear_backends"),
     ("jax.experimental.multihost_utils", "live_devices.devices"),
     ("orbax.checkpoint._src.multihost.multihost", "_DEFAULT_BARRIER_TIMEOUT"),
+    *_ORBAX_SHARDING_CACHES,
 )
 
 # The keywords passed to jaxlib's factories (a renamed one would be a TypeError in a job).
@@ -229,6 +239,13 @@ def live_devices_cache() -> dict[Any, Any]:
 def forget_live_devices() -> None:
     """Make ``live_devices`` query the live set afresh (its cache holds a dropped backend's)."""
     multihost_utils.live_devices.devices = None
+
+
+def forget_orbax_shardings() -> None:
+    """Empty Orbax's caches keyed by sharding. After a backend reset they hold the dropped
+    backend's devices, and so its client, with its threads and its connections to every peer."""
+    for module, path in _ORBAX_SHARDING_CACHES:
+        _lookup(module, path)()
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from spare_jax import jax_internals
+from spare_jax import fingerprint, jax_internals
 from spare_jax.job_env import ENV
 
 __all__ = [
@@ -155,11 +155,16 @@ def reset_backend(epoch: Epoch, *, fresh: bool) -> None:
     no collective yet. Between two barriers over every live process the
     stale rendezvous keys go (and the topology key, which a restarted
     process 0 publishes again). Every ``jax.Array`` and compiled function of
-    a survivor is invalid afterwards: the caller holds host copies.
+    a survivor is invalid afterwards: the caller holds host copies, and drops
+    every program and sharding it kept (one kept keeps the old client alive,
+    with its threads and its connections to every peer; `fingerprint`'s
+    programs and Orbax's cached shardings go here).
     """
     client = _client()
     me = jax.process_index()
     if not fresh:
+        fingerprint.forget()
+        jax_internals.forget_orbax_shardings()
         jax_internals.clear_backends()
     procs = epoch.processes
     client.wait_at_barrier(epoch.key("a"), _BARRIER_MS, process_ids=procs)

@@ -7,6 +7,11 @@ rows) are found, named by step and process, and raise `errors.BatchMismatch`.
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +20,8 @@ import regression
 
 import spare_jax
 from spare_jax import errors, fingerprint
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _step():
@@ -129,3 +136,47 @@ def test_the_program_is_compiled_through_the_process_s_own_store(monkeypatch):
     fps = fingerprint.fingerprints(stacks)
     assert seen == [[d.id for d in survivors.mesh.devices.flat]]
     assert fps.shape == (2, 4) and not fingerprint.disagreements(fps, survivors._unit_ids)
+
+
+def test_forget_drops_every_program_kept_and_the_check_compiles_again():
+    step = _step()
+    stacks = step.stacks(regression.batches(1))
+    before = fingerprint.fingerprints(stacks)
+    assert fingerprint._EXECUTABLES and fingerprint._program.cache_info().currsize
+    fingerprint.forget()
+    assert not fingerprint._EXECUTABLES and fingerprint._program.cache_info().currsize == 0
+    np.testing.assert_array_equal(fingerprint.fingerprints(stacks), before)
+
+
+def test_a_dropped_backend_is_collected_once_its_programs_are_forgotten():
+    """A kept program holds its backend's client: at a re-join's reset (`rejoin.reset_backend`)
+    the survivors forget them, so that the dropped client goes, with its collectives'
+    threads and connections. In a process of its own: the reset here would invalidate
+    every other test's arrays."""
+    script = (
+        "import gc, weakref, sys, jax\n"
+        "sys.path.insert(0, 'experiments')\n"
+        "import regression, spare_jax\n"
+        "from spare_jax import fingerprint, jax_internals\n"
+        "mesh = spare_jax.make_mesh((1, 4, 2))\n"
+        "step = spare_jax.make_train_step(\n"
+        "    regression.loss_fn, regression.OPTIMIZER, mesh, redundancy=2, microbatches=2)\n"
+        "fingerprint.fingerprints(step.stacks(regression.batches(0)))\n"
+        "old = weakref.ref(jax.devices()[0].client)\n"
+        "del mesh, step\n"
+        "fingerprint.forget()\n"
+        "jax_internals.clear_backends()\n"
+        "gc.collect()\n"
+        "print('gone' if old() is None else 'alive')\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+        env=env,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "gone", out.stderr[-2000:]
