@@ -253,7 +253,7 @@ class Admission:
             runlog.emit("joined", step=self.t)
 
     def _note_rejoin(self) -> None:
-        """After the first step with the newcomers: the re-join on record (the writer's).
+        """After each step: a re-join's first on record, and a dropped backend collected.
 
         After the first step on a new backend (a re-join or a rebuild) nothing
         of ours refers to the old one (`rejoin.reset_backend` emptied the
@@ -262,9 +262,13 @@ class Admission:
         connections to every peer, not whenever Python's cycle collector
         runs (`tests/test_rejoin.py` counts a survivor's sockets).
         """
+        self._record_rejoin()
         if self._old_backend:
             self._old_backend = False
             gc.collect()
+
+    def _record_rejoin(self) -> None:
+        """After the first step with the newcomers: the re-join on record (the writer's)."""
         if self.joining is None:
             return
         joining, self.joining = self.joining, None
