@@ -1,4 +1,4 @@
-"""The analysis, reorder and simulator benchmarks run on tiny settings and print sane figures.
+"""The analysis, reorder, simulator and start-up benchmarks run tiny and print sane figures.
 
 Each runs as a subprocess (as a person runs it) on a small scenario; the
 printed medians must parse as non-negative times, and the figures printed
@@ -7,11 +7,15 @@ beside them must agree with the library (loads, failure counts, means).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUMBER = r"([0-9][0-9,]*\.?[0-9]*(?:e[-+]?[0-9]+)?|nan)"
@@ -91,3 +95,50 @@ def test_sim_benchmark():
     assert [r for r, _ in means] == ["2", "4"], out
     assert int(means[0][1]) < int(means[1][1])  # r = 4 endures more failures than r = 2
     assert all(int(r) <= int(mean) <= 1000 for r, mean in means)
+
+
+def test_startup_benchmark_splits_the_imports_by_package(tmp_path):
+    out = _run(
+        "startup.py",
+        "--module=spare_jax.mesh",
+        "--starts=1",
+        "--concurrent=2",
+        f"--out={tmp_path}",
+    )
+    assert re.search(r"\bml_dtypes \d", out.splitlines()[0]), out  # the versions come first
+    lines = re.findall(
+        rf"import spare_jax\.mesh, (alone|2 at once) \((\d+) starts, medians, s\): "
+        rf"wall {NUMBER}, imports {NUMBER}; (.*)$",
+        out,
+        flags=re.MULTILINE,
+    )
+    assert [(case, int(n)) for case, n, *_ in lines] == [("alone", 1), ("2 at once", 2)], out
+    (record,) = [json.loads(line) for line in (tmp_path / "startup.jsonl").read_text().splitlines()]
+    for case, _, wall, total, parts in lines:
+        figures = record["cases"][case]
+        assert float(wall) >= float(total) > 0.0
+        shown = dict(p.split(" ") for p in parts.split(", "))
+        assert list(shown.values()) == sorted(shown.values(), reverse=True)  # heaviest first
+        assert {"jax", "numpy", "spare_jax"} <= figures.keys() and "flax" not in figures
+        packages = sum(v for k, v in figures.items() if k not in ("wall", "total"))
+        # Each start's packages add up to its total; medians of them nearly do.
+        assert abs(packages - figures["total"]) < 0.5 * figures["total"], figures
+
+
+def test_startup_benchmark_counts_each_module_once_for_its_own_package():
+    spec = importlib.util.spec_from_file_location("startup", ROOT / "benchmarks" / "startup.py")
+    startup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(startup)
+    text = """import time: self [us] | cumulative | imported package
+import time:       100 |        100 |       ml_dtypes._ext
+import time:        50 |        150 |     ml_dtypes
+import time:       300 |        450 |   jax._src.core
+import time:        20 |        470 | jax
+import time:         5 |          5 | spare_jax
+a line of the program's own output
+"""
+    assert startup.import_seconds(text) == pytest.approx(
+        {"total": 475e-6, "ml_dtypes": 150e-6, "jax": 320e-6, "spare_jax": 5e-6}
+    )
+    with pytest.raises(RuntimeError, match="no import times"):
+        startup.import_seconds("Traceback (most recent call last): ...")
