@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,10 +41,14 @@ def _host(x: Any) -> Any:
     return multihost.host_copy(x) if isinstance(x, jax.Array) else x
 
 
+COLLECT_STEPS = 8  # steps that each collect until a dropped backend is gone
+
+
 class Admission:
     """Admitting a replacement, and joining as one: mixed into `Trainer`."""
 
-    _old_backend = False  # a backend was dropped, and is collected after the next step
+    _dropped: weakref.ref | None = None  # a dropped backend's client, until it is collected
+    _chased = 0  # steps that collected since it was dropped
 
     def _record(self) -> dict[str, Any]:
         """What a newcomer needs beyond the arrays: a checkpoint's record and the job's books."""
@@ -76,6 +81,7 @@ class Admission:
         if self._is_writer():
             rejoin.send(epoch, {**self._record(), "joiners": epoch.joiners})
         self.state, self.step, self._ready, self._held = None, None, {}, {}
+        self._drop_backend()
         rejoin.reset_backend(epoch, fresh=False)
         self._regrow(epoch, rows)
         moved = self._move(rows, held)
@@ -148,6 +154,7 @@ class Admission:
         name = f"rebuild/{self.rollbacks}/{self.t}/{self._transient}"  # the same on every process
         epoch = self._epoch([], name=name)
         self.state, self.step, self._ready, self._held = None, None, {}, {}
+        self._drop_backend()
         try:
             rejoin.reset_backend(epoch, fresh=False)
         except jax.errors.JaxRuntimeError as err:  # a process went on without us: start afresh
@@ -231,7 +238,6 @@ class Admission:
         if self.shared_saves and epoch.joiners:  # the newcomers write their part too
             self._regroup_saves()
         self._rejoined = back
-        self._old_backend = True
 
     def _joined(self, epoch: rejoin.Epoch, start: float, moved: broadcast.Moved) -> None:
         """Every process has its state: compile the step for the grown mesh, note the re-join."""
@@ -252,20 +258,39 @@ class Admission:
         if self.replacement:
             runlog.emit("joined", step=self.t)
 
+    def _drop_backend(self) -> None:
+        """Before a reset: follow the client being dropped, unless the user's step holds it."""
+        client = jax.local_devices()[0].client
+        held = self._template.mesh.devices.flat[0].client  # the first: the user's step has it
+        self._dropped = None if client is held else weakref.ref(client)
+        self._chased = 0
+
     def _note_rejoin(self) -> None:
         """After each step: a re-join's first on record, and a dropped backend collected.
 
-        After the first step on a new backend (a re-join or a rebuild) nothing
-        of ours refers to the old one (`rejoin.reset_backend` emptied the
-        caches that did), but its client and devices refer to each other: it
-        is collected here, at once, with its threads and, on CPU, its
-        connections to every peer, not whenever Python's cycle collector
-        runs (`tests/test_rejoin.py` counts a survivor's sockets).
+        After a re-join or a rebuild nothing of ours refers to the old backend
+        (`rejoin.reset_backend` emptied the caches that did), but its client
+        and devices refer to each other: only a cycle collection frees them,
+        with their threads and, on CPU, their connections to every peer, and
+        Python's own rarely runs one. A collection after the first step on
+        the new backend sometimes leaves it (something still held it then;
+        the next step's frees it), so each step collects until the client is
+        gone, `COLLECT_STEPS` steps at most (`benchmarks/rejoins.py` counts a
+        survivor's threads and sockets over many re-joins).
         """
         self._record_rejoin()
-        if self._old_backend:
-            self._old_backend = False
-            gc.collect()
+        if self._dropped is None:
+            return
+        gc.collect()
+        self._chased += 1
+        if self._dropped() is None:
+            self._dropped = None
+        elif self._chased >= COLLECT_STEPS:
+            self._dropped = None
+            runlog.notice(
+                f"step {self.t}: a dropped backend is still referenced after {COLLECT_STEPS} "
+                "steps; its threads and connections stay until it is collected"
+            )
 
     def _record_rejoin(self) -> None:
         """After the first step with the newcomers: the re-join on record (the writer's)."""

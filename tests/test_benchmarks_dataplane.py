@@ -16,6 +16,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -312,3 +313,36 @@ def test_restore_benchmark_reads_the_checkpoint_once_per_job(tmp_path):
         # The preemption notice: its save, then every worker's exit, within the notice.
         assert 0 < r["preempt_save_s"] < r["notice_s"] < 60, r
         assert r["fits_gb"] > 0, r
+
+
+@pytest.mark.slow  # starts processes: run after the README's command
+def test_rejoins_benchmark_finds_a_survivor_level_across_rejoins(tmp_path):
+    result = _run("rejoins.py", "--processes=2", "--rejoins=2", f"--out={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "rejoins.jsonl").read_text().splitlines()]
+    (row,) = record["rows"]
+    samples = row["samples"]
+    assert row["processes"] == 2 and len(samples) == 3  # before the first kill, each re-join
+    assert all(s["sockets"] > 0 and s["threads"] > 0 and s["rss_mb"] > 0 for s in samples)
+    # The first re-join adds a backend (the user's first stays); later ones add nothing.
+    assert samples[1]["threads"] > samples[0]["threads"]
+    assert samples[2]["threads"] == samples[1]["threads"], samples
+    assert abs(samples[2]["sockets"] - samples[1]["sockets"]) <= 1, samples  # one peer here
+    assert row["per_rejoin"]["threads"] == 0
+    line = re.search(
+        r"^K=2: worker 0, .*sockets ([\d ]+), threads ([\d ]+),", result.stdout, re.MULTILINE
+    )
+    assert line, result.stdout
+    assert [int(n) for n in line[1].split()] == [s["sockets"] for s in samples]
+    # the jobs sit under --out, and no worker of theirs is left
+    runs = list(tmp_path.glob("*/k2-run*"))
+    assert runs and all((r / "metrics.jsonl").exists() for r in runs)
+    assert not [p for p in pathlib.Path("/proc").iterdir() if _of(p, tmp_path)]
+
+
+def _of(proc: pathlib.Path, tmp_path: pathlib.Path) -> bool:
+    """Whether the /proc entry is a live process whose command line names ``tmp_path``."""
+    try:
+        return proc.name.isdigit() and str(tmp_path) in (proc / "cmdline").read_text("latin-1")
+    except OSError:
+        return False
