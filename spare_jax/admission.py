@@ -12,6 +12,8 @@ newcomer rebuilds collectives that a stalled peer left closed
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import time
 import weakref
@@ -42,6 +44,23 @@ def _host(x: Any) -> Any:
 
 
 COLLECT_STEPS = 8  # steps that each collect until a dropped backend is gone
+
+
+def release_freed_memory() -> bool:
+    """Hand the C allocator's free memory back to the system (glibc's ``malloc_trim``).
+
+    A backend's threads and buffers are freed into the allocator's per-thread
+    arenas, which glibc keeps: without this a survivor's resident memory rose
+    by 5-9 MB at each re-join (`benchmarks/rejoins.py`). False where there is
+    no glibc (nothing to do).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim(0)
+    return True
 
 
 class Admission:
@@ -285,6 +304,7 @@ class Admission:
         self._chased += 1
         if self._dropped() is None:
             self._dropped = None
+            release_freed_memory()
         elif self._chased >= COLLECT_STEPS:
             self._dropped = None
             runlog.notice(
