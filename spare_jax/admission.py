@@ -13,7 +13,6 @@ newcomer rebuilds collectives that a stalled peer left closed
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import time
 import weakref
@@ -51,13 +50,12 @@ def release_freed_memory() -> bool:
 
     A backend's threads and buffers are freed into the allocator's per-thread
     arenas, which glibc keeps: without this a survivor's resident memory rose
-    by 5-9 MB at each re-join (`benchmarks/rejoins.py`). False where there is
-    no glibc (nothing to do).
+    by 5-9 MB at each re-join (`benchmarks/rejoins.py`). False where the C
+    library has no such call (not glibc: nothing to do).
     """
-    name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError, TypeError):
+        trim = ctypes.CDLL(None).malloc_trim  # the symbols already loaded: no search
+    except (OSError, AttributeError):
         return False
     trim(0)
     return True
