@@ -30,7 +30,7 @@ import sys
 import time
 from concurrent import futures
 
-from absl import flags
+from absl import app, flags
 
 from spare_jax import cli
 
@@ -87,7 +87,8 @@ def one_round(module: str, concurrent: int) -> list[dict[str, float]]:
         _, err = proc.communicate(timeout=600)
         wall = time.perf_counter() - began
         if proc.returncode != 0:
-            raise RuntimeError(f"import {module} failed ({proc.returncode}):\n{err[-2000:]}")
+            last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
+            raise app.UsageError(f"--module={module}: the import failed: {last}")
         return {"wall": wall, **import_seconds(err)}
 
     with futures.ThreadPoolExecutor(concurrent) as pool:

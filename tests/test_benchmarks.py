@@ -142,3 +142,17 @@ a line of the program's own output
     )
     with pytest.raises(RuntimeError, match="no import times"):
         startup.import_seconds("Traceback (most recent call last): ...")
+
+
+def test_startup_benchmark_names_a_module_that_does_not_import_on_one_line():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--module=no_such_module"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no_such_module" in lines[0], result.stderr
