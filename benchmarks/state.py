@@ -8,7 +8,9 @@
 Each run is a fresh job of 3 processes of one CPU device each (one group
 each), as a re-join sees it: process 0 holds the state (``--leaves`` float32
 matrices of SGD parameters, ``--sizes_mb`` in all) on its host, processes 1
-and 2 hold nothing and receive it. Side by side, per size:
+and 2 hold nothing and receive it (``--receivers=1``: process 1 alone, one
+returning group as a re-join of one killed worker has it, while process 2
+stands by). Side by side, per size:
 
 * **devices**: `spare_jax.broadcast`, what a re-join does now: the holder's
   group streams its replica, ``CHUNK_BYTES`` per collective, to the
@@ -73,6 +75,14 @@ _METHODS = flags.DEFINE_list(
     "Transports: devices (the schedule broadcast.pipelined picks), chain or doubling (the "
     "devices with that schedule forced), kv.",
 )
+_RECEIVERS = flags.DEFINE_integer(
+    "receivers",
+    2,
+    "Processes that receive the state: 2 (two groups return at once), or 1 (one group, as "
+    "one killed worker's re-join; process 2 stands by).",
+    lower_bound=1,
+    upper_bound=2,
+)
 _KV_MAX = flags.DEFINE_float(
     "kv_max_mb",
     1024,
@@ -126,6 +136,8 @@ def _kv(client, me: int, host, abstract) -> list:
     import jax
     import numpy as np
 
+    if me > _RECEIVERS.value:  # standing by
+        return []
     if me == 0:
         buf = io.BytesIO()
         np.savez(buf, **{f"a{i}": x for i, x in enumerate(host)})
@@ -146,7 +158,9 @@ def _devices(me: int, host, abstract, schedule: str = "auto") -> list:
     from spare_jax import broadcast
     from spare_jax import mesh as mesh_lib
 
-    mesh = mesh_lib.make_mesh((1, PROCESSES, 1))
+    rows = 1 + _RECEIVERS.value  # the holder and the receivers; a process left out stands by
+    devices = sorted(jax.devices(), key=lambda d: d.process_index)[:rows]
+    mesh = mesh_lib.make_mesh((1, rows, 1), devices)
     on_mesh = NamedSharding(mesh, PartitionSpec())
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_mesh) for a in abstract]
     chunk = _CHUNK_MB.value << 20 or broadcast.CHUNK_BYTES
@@ -328,6 +342,7 @@ def _run(method: str, mb: str) -> dict:
                 f"--leaves={_LEAVES.value}",
                 f"--chunk_mb={_CHUNK_MB.value}",
                 f"--platform={_PLATFORM.value}",
+                f"--receivers={_RECEIVERS.value}",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -386,7 +401,7 @@ def main(argv: list[str]) -> None:
     from spare_jax import cli
 
     out_dir = cli.output_dir("out", _OUT.value) if _OUT.value else None
-    record: dict = {"time": time.time()}
+    record: dict = {"time": time.time(), "receivers": _RECEIVERS.value}
     if "transfer" in _SECTIONS.value:
         record["transfer"] = _transfer_section()
     if "save" in _SECTIONS.value:
@@ -414,7 +429,8 @@ def _transfer_section() -> dict:
         return {"skipped": [{"error": f"{found} GPU(s)"}]}
     print(
         f"{PROCESSES} processes x 1 {_PLATFORM.value.upper()} device, one group each; process 0 "
-        f"holds the state ({_LEAVES.value} float32 matrices), 1 and 2 receive; chunk "
+        f"holds the state ({_LEAVES.value} float32 matrices), "
+        f"{'1 receives, 2 stands by' if _RECEIVERS.value == 1 else '1 and 2 receive'}; chunk "
         f"{_CHUNK_MB.value or broadcast.CHUNK_BYTES >> 20} MiB; medians of {_REPEATS.value}",
         flush=True,
     )

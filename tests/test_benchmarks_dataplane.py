@@ -210,6 +210,30 @@ def test_state_benchmark_tiny(tmp_path):
         assert saved["write_s"] >= saved["stall_s"] and _positive(saved["restore_s"])
 
 
+@pytest.mark.slow  # starts processes: run after the README's command
+def test_state_benchmark_moves_to_one_group_while_the_third_stands_by(tmp_path):
+    """``--receivers=1``: one returning group, as one killed worker's re-join; exact both ways."""
+    result = _run(
+        "state.py",
+        "--sizes_mb=8",
+        "--chunk_mb=1",
+        "--repeats=1",
+        "--receivers=1",
+        "--methods=devices,kv",
+        "--sections=transfer",
+        f"--out={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 receives, 2 stands by" in result.stdout, result.stdout
+    assert "NOT EXACT" not in result.stdout and "failed" not in result.stdout, result.stdout
+    (record,) = [json.loads(line) for line in (tmp_path / "state.json").read_text().splitlines()]
+    assert record["receivers"] == 1
+    for method in ("devices", "kv"):
+        (moved,) = record["transfer"][f"{method}:8"]
+        receiver, bystander = moved["peak"][1], moved["peak"][2]
+        assert moved["exact"] and receiver >= 1.0 > bystander, moved  # only p1 holds a state
+
+
 def test_state_benchmark_on_gpu_says_it_needs_three(tmp_path):
     """Without 3 GPUs the transfer on GPU is skipped with its reason, not a worker's crash."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -7,6 +7,8 @@ path is `test_rejoin.py`'s and ``benchmarks/state.py``'s).
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -165,3 +167,50 @@ def test_held_shards_are_only_those_of_the_devices_given():
     np.testing.assert_array_equal(held[(slice(0, 6), slice(0, 4, 1))], x[:, :4])  # same index
     with pytest.raises(ValueError, match="holds no shard"):
         held[(slice(None), slice(4, 8))]
+
+
+def _vm_flags(address: int) -> list[str] | None:
+    """The kernel's VmFlags of the mapping holding ``address`` (None: no /proc here)."""
+    try:
+        lines = pathlib.Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return None
+
+
+def test_transfer_buffers_are_zeroed_ordinary_pages_placed_as_the_transfer_needs():
+    """A sender's chunk starts on a page, so placing it borrows it; a receiver's stream
+    starts off one, so placing a piece copies it at once; neither asks for huge pages."""
+    size = 8 << 20  # past NumPy's 4 MiB threshold for asking for huge pages
+    chunk = broadcast.host_bytes(size, borrowable=True)
+    stream = broadcast.host_bytes(size, borrowable=False)
+    for buf in (chunk, stream):
+        assert buf.dtype == np.uint8 and buf.shape == (size,) and buf.flags.writeable
+        assert not buf.any()
+    assert chunk.ctypes.data % 4096 == 0
+    assert stream.ctypes.data % 64 == 16  # every piece (64 bytes apart) 16 past a 64 boundary
+    device = jax.devices()[0]
+    piece = stream[64 : 64 + 4096].view(np.float32)
+    piece[:] = 1.5
+    placed = jax.device_put(piece, device)
+    assert placed.unsafe_buffer_pointer() != piece.ctypes.data  # a copy, nothing to redo
+    piece[:] = 0  # the stream is reused or freed after placing: the copy stays
+    np.testing.assert_array_equal(np.asarray(placed), np.full(1024, 1.5, np.float32))
+    if jax.default_backend() == "cpu":
+        held = jax.device_put(chunk[:4096].view(np.int32), device)
+        assert held.unsafe_buffer_pointer() == chunk.ctypes.data  # read where it is
+    assert broadcast.host_bytes(0, borrowable=False).size == 0
+    inside = 1 << 20  # NumPy asks from the first page boundary on: look well inside
+    for buf in (chunk, stream):
+        flags = _vm_flags(buf.ctypes.data + inside)
+        if flags is None:
+            pytest.skip("no /proc/self/smaps here")
+        assert "hg" not in flags  # no MADV_HUGEPAGE
