@@ -192,18 +192,19 @@ class Held:
 def host_bytes(nbytes: int, *, borrowable: bool) -> np.ndarray:
     """A zeroed uint8 buffer of ``nbytes`` in ordinary private pages, for a transfer's bytes.
 
-    Not ``np.empty``: NumPy asks for transparent huge pages for arrays of
-    4 MiB or more, and where the kernel compacts memory on that request (THP
-    ``defrag=madvise``, a common default) the first touch ran 2-3x slower
-    here, 0.67-0.96 s for 512 MB against 0.28-0.29 s in ordinary pages.
+    Not a NumPy array, which asks the kernel for transparent huge pages from
+    4 MiB up: the transfer ran faster in ordinary pages (measured end to end,
+    with the placement below; see the end of this docstring).
 
     ``borrowable``: start on a page boundary, so that placing it on a CPU
     device borrows it (a sender's chunk, read where it is). Otherwise start
     16 bytes past one, so that placing a piece copies it at once (a
-    receiver's stream): a borrowed shard is copied again on the device
-    (`mesh.owning`), which took 1.2-1.4 s for 512 MB here against 0.28 s for
-    the copy made while placing. Pieces sit 64 bytes apart (``_ALIGN``), so
-    every one stays aligned for any dtype of up to 16 bytes.
+    receiver's stream) instead of borrowing it and copying it again on the
+    device (`mesh.owning`: a borrowed buffer cannot be donated). Pieces sit
+    64 bytes apart (``_ALIGN``), so every one stays aligned for any dtype of
+    up to 16 bytes. What the two choices gave a re-join together:
+    ``benchmarks/state.py`` and ``benchmarks/rejoin_state.py``
+    (docs/checkpointing.md, "Moving the state").
     """
     if not hasattr(mmap, "MAP_ANONYMOUS"):  # no anonymous mappings here: NumPy's own memory
         return np.zeros(nbytes, np.uint8)
