@@ -193,8 +193,8 @@ def host_bytes(nbytes: int, *, borrowable: bool) -> np.ndarray:
     """A zeroed uint8 buffer of ``nbytes`` in ordinary private pages, for a transfer's bytes.
 
     Not a NumPy array, which asks the kernel for transparent huge pages from
-    4 MiB up: the transfer ran faster in ordinary pages (measured end to end,
-    with the placement below; see the end of this docstring).
+    4 MiB up: the transfer ran faster in ordinary pages (measured end to end
+    together with the placement below, by the benchmarks named at the end).
 
     ``borrowable``: start on a page boundary, so that placing it on a CPU
     device borrows it (a sender's chunk, read where it is). Otherwise start
@@ -206,7 +206,7 @@ def host_bytes(nbytes: int, *, borrowable: bool) -> np.ndarray:
     ``benchmarks/state.py`` and ``benchmarks/rejoin_state.py``
     (docs/checkpointing.md, "Moving the state").
     """
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # no anonymous mappings here: NumPy's own memory
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # nothing to map, or no way to
         return np.zeros(nbytes, np.uint8)
     skip = 0 if borrowable else 16
     pages = mmap.mmap(-1, nbytes + skip, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

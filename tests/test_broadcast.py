@@ -208,6 +208,7 @@ def test_transfer_buffers_are_zeroed_ordinary_pages_placed_as_the_transfer_needs
         held = jax.device_put(chunk[:4096].view(np.int32), device)
         assert held.unsafe_buffer_pointer() == chunk.ctypes.data  # read where it is
     assert broadcast.host_bytes(0, borrowable=False).size == 0
+    assert broadcast.host_bytes(0, borrowable=True).size == 0
     inside = 1 << 20  # NumPy asks from the first page boundary on: look well inside
     for buf in (chunk, stream):
         flags = _vm_flags(buf.ctypes.data + inside)
