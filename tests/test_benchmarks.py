@@ -21,8 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUMBER = r"([0-9][0-9,]*\.?[0-9]*(?:e[-+]?[0-9]+)?|nan)"
 
 
-def _run(script: str, *args: str) -> str:
-    result = subprocess.run(
+def _process(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
@@ -30,6 +30,10 @@ def _run(script: str, *args: str) -> str:
         cwd=ROOT,
         check=False,
     )
+
+
+def _run(script: str, *args: str) -> str:
+    result = _process(script, *args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -145,14 +149,7 @@ a line of the program's own output
 
 
 def test_startup_benchmark_names_a_module_that_does_not_import_on_one_line():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--module=no_such_module"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-    )
+    result = _process("startup.py", "--module=no_such_module")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no_such_module" in lines[0], result.stderr
