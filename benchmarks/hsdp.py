@@ -1,6 +1,7 @@
 """HSDP layouts: SPARe's step vs a hand-written HSDP step, its device memory, and rows read.
 
     python benchmarks/hsdp.py                      # sections 1 and 2 (a few minutes on 2 cores)
+    python benchmarks/hsdp.py --sections=memory    # section 2 alone (seconds)
     python benchmarks/hsdp.py --processes          # also section 3: two 8-process jobs
     python benchmarks/hsdp.py --rows=64,256,1024   # section 1 at three micro-batch sizes
     python benchmarks/hsdp.py --tiny --steps=2 --warmup=1 --out=/tmp/hsdp.json   # smoke run
@@ -16,9 +17,11 @@
    compute grows.
 2. Device memory per device of the compiled step (XLA's ``memory_analysis``):
    the fused step with the state donated (``fused donated``, one process), the
-   multi-process form (``split``: a reduction that keeps the state, then an
-   update that takes it), and the form multi-process jobs ran before
-   (``fused (before)``: fused, nothing donated). ``peak`` is
+   split step (``split``: a reduction that keeps the state, then an update that
+   takes it), the step split by failure domain as a multi-process job with one
+   process a group runs it (``by domain``: one domain's ``gradients``, the
+   ``cross`` sum over every group, its ``update``), and the form multi-process
+   jobs ran before (``fused (before)``: fused, nothing donated). ``peak`` is
    arguments + outputs + temporaries - aliased; the state's own bytes beside it.
 3. (``--processes``) Rows each process reads per step, measured: the same
    8-process job (``experiments/regression.py``, groups of 2 processes,
@@ -49,13 +52,17 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec
 
 import spare_jax
-from spare_jax import cli, runlog
+from spare_jax import cli, domains, multihost, runlog
+from spare_jax import mesh as mesh_lib
 
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed rounds per comparison.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per configuration.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
 _TINY = flags.DEFINE_bool("tiny", False, "Tiny model: a smoke run.")
 _PROCESSES = flags.DEFINE_bool("processes", False, "Also run section 3 (two 8-process jobs).")
+_SECTIONS = flags.DEFINE_multi_enum(
+    "sections", ["speed", "memory"], ["speed", "memory"], "Sections 1 (speed) and 2 (memory)."
+)
 _ROWS = flags.DEFINE_list(
     "rows", ["64"], "Rows per micro-batch per group: a section-1 table each (section 2: the first)."
 )
@@ -168,6 +175,30 @@ def versus_hand(width: int, depth: int, rows: int) -> list[dict[str, Any]]:
     return out
 
 
+def by_domain(step: Any, state: Any, stacks: Any) -> dict[str, Any]:
+    """The programs of the step split by failure domain, every group its own domain (one
+    process a group), as a multi-process job runs them: the first domain's, compiled."""
+    by_group = mesh_lib.group_devices(step.mesh)
+    splits = [
+        domains.Split(
+            step.loss_fn,
+            step.tx,
+            multihost.survivors_mesh(by_group, np.array([g]), step.mesh),
+            np.array([g]),
+            step.accum_dtype,
+        )
+        for g in range(step.groups)
+    ]
+    table, _ = step.table(np.ones(step.groups, bool))
+    parts = [split.gradients(state.params, stacks, table) for split in splits]
+    grad_sum, loss_sum, _ = splits[0].cross(step.mesh, parts)
+    replica = jax.tree.map(
+        lambda x: domains.view(x, NamedSharding(splits[0].mesh, x.sharding.spec)), state
+    )
+    jax.block_until_ready(splits[0].update(replica, grad_sum, loss_sum, table.denom))
+    return {key[0]: exe for key, exe in splits[0]._exe.items()}
+
+
 def memory(width: int, depth: int, rows: int) -> list[dict[str, Any]]:
     """Section 2: the compiled step's device memory, per device, in each form."""
     print("\n2. device memory of the step per device (memory_analysis), bytes")
@@ -193,11 +224,15 @@ def memory(width: int, depth: int, rows: int) -> list[dict[str, Any]]:
             "fused (before)": base.on_mesh(mesh, base.rows, donate=False),
             "split": base.on_mesh(mesh, base.rows, split=True),
         }
+        programs = []
         for form, step in forms.items():
             state = step.init(params)
             own = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
             step.precompile(state, stacks)
-            compiled = step._aot[step.slot_bound]
+            programs.append((form, own, step._aot[step.slot_bound]))
+            if form == "split":  # what a multi-process job runs: one domain's programs
+                programs.append(("by domain", own, by_domain(step, state, stacks)))
+        for form, own, compiled in programs:
             for program, exe in compiled.items():
                 m = exe.memory_analysis()
                 args, outs, temps = m.argument_size_in_bytes, m.output_size_in_bytes, 0
@@ -251,10 +286,11 @@ def main(argv: list[str]) -> None:
     width, depth = (16, 2) if _TINY.value else (512, 4)
     sizes = [4] if _TINY.value else sizes
     print(f"MLP {depth} x {width}x{width}, {jax.device_count()} devices")
-    results: dict[str, Any] = {
-        "versus_hand": [row for rows in sizes for row in versus_hand(width, depth, rows)],
-        "memory": memory(width, depth, sizes[0]),
-    }
+    results: dict[str, Any] = {}
+    if "speed" in _SECTIONS.value:
+        results["versus_hand"] = [row for n in sizes for row in versus_hand(width, depth, n)]
+    if "memory" in _SECTIONS.value:
+        results["memory"] = memory(width, depth, sizes[0])
     if _PROCESSES.value:
         with tempfile.TemporaryDirectory() as tmp:
             results["rows_read"] = rows_read(tmp)

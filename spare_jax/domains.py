@@ -18,7 +18,7 @@ multi-process step runs as three programs (`Split`):
   flag first). No other group takes part.
 
 Arrays cross between the live mesh and the domain's mesh without a copy: a
-view over the same device buffers (`view`). The division by ``G * m`` stays
+view over the same device buffers (`view`). The scaling by ``1 / (G * m)`` stays
 in the update, with the optimizer, as in the fused step, so that both round
 alike.
 """

@@ -6,14 +6,14 @@ tables, and `spare_jax.domains` runs them per failure domain.
 Inside a ``jax.shard_map`` that is manual over the group axes
 ``("data", "redundancy")`` and automatic over the inner axes (XLA partitions
 each group's computation from the parameters' and the stacks' shardings: FSDP,
-tensor, any layout the user names), every group walks ``n_slots`` slots. Slot
-``l`` of group ``g`` computes the gradient of local micro-batch ``index[g, l]``
-and adds ``weight[g, l]`` times it, in float32 at least (``accum_dtype``). The
-loop runs the same count on every group: a per-device ``lax.cond`` that skips
-empty slots deadlocks XLA's CPU collectives, and a less loaded group would wait
-for the busiest anyway. Each group's sum is multiplied by its live mask, one
-``psum`` over the groups adds them (`reduce_step`), the sum is divided by
-``denom = G * m`` (never the live count), cast to the parameters' dtype, and
+tensor, any layout the user names), every group walks its own slots, up to its
+last filled one (the loop's trip count is data, so a new live set or a lighter
+group is not a new program). Slot ``l`` of group ``g`` computes the gradient
+of local micro-batch ``index[g, l]`` and adds ``weight[g, l]`` times it, in
+float32 at least (``accum_dtype``); no collective across groups runs in the loop. Each
+group's sum is multiplied by its live mask, one ``psum`` over the groups adds
+them (`reduce_step`), the sum is scaled by ``1 / denom`` (``denom = G * m``,
+never the live count), cast to the parameters' dtype, and
 the optimizer is applied, replicated over the groups (`update_step`). One
 process runs both fused (`train_step`); a multi-process job runs them as two
 programs (``split``) so that only the update, which crosses no group, takes
@@ -122,7 +122,7 @@ def reduce_step(
     """The exact gradient sum over every counted micro-batch, its loss sum and whether finite.
 
     The part of a step that crosses groups; `update_step` is the rest. The sums
-    are in ``accum_dtype`` (at least) and not yet divided by ``G * m``.
+    are in ``accum_dtype`` (at least) and not yet scaled by ``1 / (G * m)``.
     """
     group = PartitionSpec(mesh_lib.GROUP_AXES)
     table_specs = slots.Slots(group, group, group, PartitionSpec(), PartitionSpec())
@@ -159,10 +159,15 @@ def update_step(
 
     No collective crosses groups here: every group updates its own replica.
     ``grad_norm``, when the caller has it, saves a pass over the gradients.
+    With the state donated, nothing of the state's size is allocated beside
+    it: the update's peak is the state plus ``grad_sum``.
     """
-    grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grad_sum)
-    if grad_norm is None:
-        grad_norm = optax.tree.norm(grads)
+    if grad_norm is None:  # from the sums, so the divided gradients need no buffer of their own
+        grad_norm = jnp.sqrt(_squares(grad_sum)) / denom
+    # A multiply, not a divide: XLA recomputes a multiply inside each of its consumers
+    # (Adam's two moments) but computes a divide once into a gradient-sized buffer.
+    scale = 1 / denom
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grad_sum)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -361,17 +361,17 @@ class SpareStep:
             return state
         return self.domain.lift(self.mesh, [state])
 
-    def memory(self, state: TrainState, stacks: Any) -> dict[str, int]:
-        """Device bytes of the compiled step per device (XLA's ``memory_analysis``).
-
-        ``arguments`` (state, input and table), ``outputs``, ``temporaries``
-        (gradients, activations) and ``aliased`` (donated buffers reused for the
-        outputs); ``peak`` = arguments + outputs + temporaries - aliased.
-        """
+    def memory(self, state: TrainState, stacks: Any, program: str | None = None) -> dict[str, int]:
+        """Device bytes per device of ``program`` (``step``, or a split step's ``reduce`` (default)
+        or ``update``; XLA's ``memory_analysis``): ``arguments``, ``outputs``, ``temporaries``
+        (gradients, activations), ``aliased`` (donated buffers reused for outputs) and
+        ``peak`` = arguments + outputs + temporaries - aliased."""
         if self.slot_bound not in self._aot:
             self.precompile(state, stacks)
         compiled = self._aot[self.slot_bound]
-        stats = compiled["step" if "step" in compiled else "reduce"].memory_analysis()
+        if (program := program or next(iter(compiled))) not in compiled:
+            raise ValueError(f"program: one of {sorted(compiled)}, got {program!r}")
+        stats = compiled[program].memory_analysis()
         out = {
             "arguments": int(stats.argument_size_in_bytes),
             "outputs": int(stats.output_size_in_bytes),

@@ -230,6 +230,28 @@ def test_the_donated_state_is_reused_in_place():
     )
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_split_update_allocates_nothing_of_the_state_size(optimizer):
+    """memory_analysis of a split step's update: the state (donated, reused) and the gradient
+    sum, no gradient-sized temporary (a divided copy of the sums was one)."""
+    mesh = spare_jax.make_mesh(LAYOUTS["fsdp"][0])
+    tx = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-3)
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    step = spare_jax.make_train_step(
+        loss, tx, mesh, redundancy=2, microbatches=M, param_specs={"w": jax.P("fsdp", None)}
+    )
+    step = step.on_mesh(mesh, step.rows, split=True)
+    state = step.init({"w": np.ones((512, 512), np.float32)})
+    x = np.ones((step.groups * M * B, 512), np.float32)
+    memory = step.memory(state, step.stacks({"x": x, "y": x}), program="update")
+    params = state.params["w"].addressable_shards[0].data.nbytes
+    assert memory["temporaries"] < params // 10, memory
+    leaves = [leaf for leaf in jax.tree.leaves(state) if leaf.ndim]
+    assert memory["aliased"] >= sum(leaf.addressable_shards[0].data.nbytes for leaf in leaves)
+    with pytest.raises(ValueError, match="program: one of"):
+        step.memory(state, step.stacks({"x": x, "y": x}), program="step")
+
+
 # ------------------------------------------------------------------ bad input
 
 
