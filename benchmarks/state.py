@@ -22,7 +22,12 @@ stands by). Side by side, per size:
   unpack and place it. One message: it stops near 2 GiB.
 
 Printed per case, medians over ``--repeats``: seconds from the start of the
-transfer to every receiver's state on its device, MB/s of state, and every
+transfer to every receiver's state on its device, MB/s of state; *moving*,
+the seconds of the collectives alone (the slowest receiver's; compiling the
+transfer's program and assembling the arrays excluded, as `fit`'s
+``move_mb_s`` in a ``rejoin`` event) and its MB/s, and beside it the
+receiver's compile and its assembly of the arrays from the received bytes
+(the rest of the whole is the barriers that start and end the run); and every
 process's peak resident memory (``VmHWM``) above what it held before the
 state existed (JAX's own), as a multiple of the state's bytes. A case that
 fails says why.
@@ -132,26 +137,28 @@ def _state(nbytes: int, leaves: int):
         yield rng.standard_normal((side, side), dtype=np.float32)
 
 
-def _kv(client, me: int, host, abstract) -> list:
+def _kv(client, me: int, host, abstract) -> tuple[list, dict]:
     import jax
     import numpy as np
 
     if me > _RECEIVERS.value:  # standing by
-        return []
+        return [], {}
     if me == 0:
         buf = io.BytesIO()
         np.savez(buf, **{f"a{i}": x for i, x in enumerate(host)})
         client.key_value_set_bytes("bench/state", buf.getvalue())
         del buf
-        return []
+        return [], {}
     data = client.blocking_key_value_get_bytes("bench/state", TIMEOUT_S * 1000)
     with np.load(io.BytesIO(data)) as z:
         leaves = [jax.device_put(z[f"a{i}"], jax.local_devices()[0]) for i in range(len(abstract))]
     del data
-    return leaves
+    return leaves, {}
 
 
-def _devices(me: int, host, abstract, schedule: str = "auto") -> list:
+def _devices(me: int, host, abstract, schedule: str = "auto") -> tuple[list, dict]:
+    """A receiver's leaves and its seconds: compiling the transfer, the collectives alone
+    (``move_s``), assembling the arrays from the received bytes."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -165,7 +172,14 @@ def _devices(me: int, host, abstract, schedule: str = "auto") -> list:
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_mesh) for a in abstract]
     chunk = _CHUNK_MB.value << 20 or broadcast.CHUNK_BYTES
     source = host if me == 0 else None
-    return broadcast.move(mesh, 0, abstract, source, chunk, schedule).leaves or []
+    start = time.perf_counter()
+    moved = broadcast.move(mesh, 0, abstract, source, chunk, schedule)
+    jax.block_until_ready(moved.leaves)
+    whole, done = time.perf_counter() - start, moved.transfer
+    if not moved.leaves:
+        return [], {}
+    rest = whole - done.seconds - done.compile_s
+    return moved.leaves, {"move_s": done.seconds, "compile_s": done.compile_s, "assemble_s": rest}
 
 
 def _save_work(layout: str, mb: str, directory: str) -> None:
@@ -280,9 +294,9 @@ def _work(spec: str) -> None:
     client.wait_at_barrier("bench/start", TIMEOUT_S * 1000)
     start = time.perf_counter()
     if method == "kv":
-        leaves = _kv(client, me, host, abstract)
+        leaves, parts = _kv(client, me, host, abstract)
     else:
-        leaves = _devices(me, host, abstract, "auto" if method == "devices" else method)
+        leaves, parts = _devices(me, host, abstract, "auto" if method == "devices" else method)
     jax.block_until_ready(leaves)
     client.wait_at_barrier("bench/end", TIMEOUT_S * 1000)
     seconds = time.perf_counter() - start
@@ -294,6 +308,7 @@ def _work(spec: str) -> None:
             {
                 "process": me,
                 "seconds": seconds,
+                **parts,
                 "state_bytes": state_bytes,
                 "peak_over_state": peak,
                 "exact": exact,
@@ -367,8 +382,13 @@ def _run(method: str, mb: str) -> dict:
         if "error" in row:
             return row
         figures[row["process"]] = row
+    slowest = {  # the slowest receiver's part, None without collectives (kv)
+        k: max((r[k] for r in figures.values() if k in r), default=None)
+        for k in ("move_s", "compile_s", "assemble_s")
+    }
     return {
         "seconds": max(r["seconds"] for r in figures.values()),
+        **slowest,
         "state_bytes": figures[0]["state_bytes"],
         "peak": [figures[p]["peak_over_state"] for p in sorted(figures)],
         "exact": all(r["exact"] for r in figures.values()),
@@ -442,8 +462,8 @@ def _transfer_section() -> dict:
                 runs[key] = [{"error": f"skipped (--kv_max_mb={_KV_MAX.value:g})"}]
                 continue
             runs[key] = _repeat(lambda m=method, mb=mb: _run(m, mb), f"{method} {mb} MB")
-    head = f"{'size MB':>8} {'transport':>9} {'seconds':>8} {'MB/s':>8}"
-    print(f"\n{head}  peak RSS / state (p0 p1 p2)")
+    head = f"{'size MB':>8} {'transport':>9} {'seconds':>8} {'MB/s':>8} {'moving':>7} {'MB/s':>6}"
+    print(f"\n{head} {'compile':>7} {'assemble':>8}  peak RSS / state (p0 p1 p2)")
     for key, rows in runs.items():
         method, mb = key.split(":")
         good = [r for r in rows if "error" not in r]
@@ -452,10 +472,21 @@ def _transfer_section() -> dict:
             continue
         seconds = statistics.median(r["seconds"] for r in good)
         rate = good[0]["state_bytes"] / seconds / 1e6
+        part = {
+            k: statistics.median(r[k] for r in good) if good[0].get(k) is not None else None
+            for k in ("move_s", "compile_s", "assemble_s")
+        }
+        moving = part["move_s"]
+        alone = (
+            f"{moving:7.2f} {good[0]['state_bytes'] / moving / 1e6:6.0f} "
+            f"{part['compile_s']:7.2f} {part['assemble_s']:8.2f}"
+            if moving
+            else f"{'-':>7} {'-':>6} {'-':>7} {'-':>8}"
+        )
         peaks = [statistics.median(r["peak"][p] for r in good) for p in range(PROCESSES)]
         flag = "" if all(r["exact"] for r in good) else "  NOT EXACT"
         print(
-            f"{mb:>8} {method:>9} {seconds:8.2f} {rate:8.0f}  "
+            f"{mb:>8} {method:>9} {seconds:8.2f} {rate:8.0f} {alone}  "
             + " ".join(f"{x:4.2f}" for x in peaks)
             + flag
         )

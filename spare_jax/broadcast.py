@@ -400,19 +400,49 @@ def assemble(
     Each piece is a view into its stream, placed on its device; the leaves
     are ready when this returns, so the streams can go before the next
     program runs (placing copies in the background: else the streams, their
-    copies and the step's buffers would be alive at once).
+    copies and the step's buffers would be alive at once). Once a leaf is
+    placed, the pages of each stream that no later leaf reads go back to the
+    system (`_release`), so a receiver holds about one state, not its bytes
+    and its arrays both, and its new arrays reuse the pages just freed.
     """
-    leaves = []
-    for i, (leaf, sharding) in enumerate(zip(abstract, shardings, strict=True)):
-        parts = []
+    wanted = []  # wanted[i]: the (stream, piece) each of leaf i's devices reads
+    for i, sharding in enumerate(shardings):
+        wanted.append([])
         for device in sharding.addressable_devices:
             row, coord = plan.where(device.id)
             carrier, piece = plan.find[i, coord]
-            raw = received[int(plan.grid[row, carrier])][piece.offset : piece.offset + piece.nbytes]
+            wanted[i].append((int(plan.grid[row, carrier]), piece))
+    unread = [{}] * len(wanted)  # unread[i]: per stream, the first byte a leaf after i reads
+    first = {stream: data.nbytes for stream, data in received.items()}
+    for i in reversed(range(len(wanted))):
+        unread[i] = dict(first)
+        for stream, piece in wanted[i]:
+            first[stream] = min(first[stream], piece.offset)
+    leaves, freed = [], dict.fromkeys(received, 0)
+    for i, (leaf, sharding) in enumerate(zip(abstract, shardings, strict=True)):
+        parts = []
+        for device, (stream, piece) in zip(sharding.addressable_devices, wanted[i], strict=True):
+            raw = received[stream][piece.offset : piece.offset + piece.nbytes]
             parts.append(jax.device_put(raw.view(piece.dtype).reshape(piece.shape), device))
         placed = jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, parts)
-        leaves.append(mesh_lib.owning(placed, list(received.values())))
-    return jax.block_until_ready(leaves)
+        leaves.append(jax.block_until_ready(mesh_lib.owning(placed, list(received.values()))))
+        for stream, data in received.items():
+            freed[stream] = _release(data, freed[stream], unread[i][stream])
+    return leaves
+
+
+def _release(data: np.ndarray, start: int, upto: int) -> int:
+    """Give the whole pages of ``data`` (a `host_bytes` buffer) from mapping offset ``start``
+    (a page boundary) to before byte ``upto`` of ``data`` back to the system; reading them
+    again gives zeros. Returns where the next release starts. Other buffers: nothing."""
+    pages = getattr(data.base, "obj", data.base)  # NumPy keeps a memoryview of the mapping
+    skip = len(pages) - data.nbytes if isinstance(pages, mmap.mmap) else -1
+    if skip not in (0, 16) or not hasattr(mmap, "MADV_DONTNEED"):
+        return start
+    end = (skip + upto) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        pages.madvise(mmap.MADV_DONTNEED, start, end - start)
+    return max(start, end)
 
 
 @dataclasses.dataclass(frozen=True)

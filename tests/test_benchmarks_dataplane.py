@@ -173,9 +173,11 @@ def test_hsdp_benchmark_tiny(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert [r["layout"] for r in figures["versus_hand"]] == ["fsdp", "tensor", "fsdp x tensor"]
+    forms = {r["form"] for r in figures["memory"]}
+    assert {"by domain: gradients", "by domain: cross", "by domain: update"} <= forms
     assert all(_positive(r["ratio"]) for r in figures["versus_hand"])
     for row in figures["memory"]:
-        donated = row["form"] in ("fused donated", "split: update")
+        donated = row["form"] in ("fused donated", "split: update", "by domain: update")
         assert (row["aliased"] >= row["state"]) if donated else row["aliased"] == 0, row
         peak = row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
         assert row["peak"] == peak
@@ -199,6 +201,7 @@ def test_state_benchmark_tiny(tmp_path):
     (record,) = [json.loads(line) for line in (tmp_path / "state.json").read_text().splitlines()]
     (moved,) = record["transfer"]["devices:16"]
     assert moved["exact"] and _positive(moved["seconds"]) and len(moved["peak"]) == 3
+    assert 0 < moved["move_s"] < moved["seconds"]  # the collectives alone, inside the whole
     layout = record["transfer"]["layout:16"][0]
     whole = layout["1"]["per_device"]
     for devices in ("2", "4", "8"):  # a group's devices each stream their share
@@ -232,6 +235,7 @@ def test_state_benchmark_moves_to_one_group_while_the_third_stands_by(tmp_path):
         (moved,) = record["transfer"][f"{method}:8"]
         receiver, bystander = moved["peak"][1], moved["peak"][2]
         assert moved["exact"] and receiver >= 1.0 > bystander, moved  # only p1 holds a state
+        assert (moved["move_s"] is None) == (method == "kv"), moved  # kv has no collectives
 
 
 def test_state_benchmark_on_gpu_says_it_needs_three(tmp_path):
