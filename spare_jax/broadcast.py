@@ -71,6 +71,7 @@ __all__ = [
 CHUNK_BYTES = 8 << 20  # per device and collective (benchmarks/state.py --chunk_mb tries others)
 SCHEDULES = ("auto", "chain", "doubling")
 _ALIGN = 64  # pieces lie this far apart: a receiver views each in place, never unaligned
+_OFF_PAGE = 16  # a receiver's stream starts this far past a page (`host_bytes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +209,7 @@ def host_bytes(nbytes: int, *, borrowable: bool) -> np.ndarray:
     """
     if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # nothing to map, or no way to
         return np.zeros(nbytes, np.uint8)
-    skip = 0 if borrowable else 16
+    skip = 0 if borrowable else _OFF_PAGE
     pages = mmap.mmap(-1, nbytes + skip, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(pages, np.uint8, count=nbytes, offset=skip)
 
@@ -412,11 +413,11 @@ def assemble(
             row, coord = plan.where(device.id)
             carrier, piece = plan.find[i, coord]
             wanted[i].append((int(plan.grid[row, carrier]), piece))
-    unread = [{}] * len(wanted)  # unread[i]: per stream, the first byte a leaf after i reads
+    unread = []  # unread[i]: per stream, the first byte that a leaf after i reads
     first = {stream: data.nbytes for stream, data in received.items()}
-    for i in reversed(range(len(wanted))):
-        unread[i] = dict(first)
-        for stream, piece in wanted[i]:
+    for pieces in reversed(wanted):
+        unread.insert(0, dict(first))
+        for stream, piece in pieces:
             first[stream] = min(first[stream], piece.offset)
     leaves, freed = [], dict.fromkeys(received, 0)
     for i, (leaf, sharding) in enumerate(zip(abstract, shardings, strict=True)):
@@ -437,7 +438,7 @@ def _release(data: np.ndarray, start: int, upto: int) -> int:
     again gives zeros. Returns where the next release starts. Other buffers: nothing."""
     pages = getattr(data.base, "obj", data.base)  # NumPy keeps a memoryview of the mapping
     skip = len(pages) - data.nbytes if isinstance(pages, mmap.mmap) else -1
-    if skip not in (0, 16) or not hasattr(mmap, "MADV_DONTNEED"):
+    if skip not in (0, _OFF_PAGE) or not hasattr(mmap, "MADV_DONTNEED"):
         return start
     end = (skip + upto) // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start:

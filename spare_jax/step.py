@@ -146,6 +146,11 @@ def _squares(grads: Any) -> jax.Array:
     return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
 
 
+def _norm(grad_sum: Any, denom: jax.Array) -> jax.Array:
+    """The norm of the mean gradient, from the sums (the divided gradients are never kept)."""
+    return jnp.sqrt(_squares(grad_sum)) / denom
+
+
 def update_step(
     state: TrainState,
     grad_sum: Any,
@@ -162,8 +167,8 @@ def update_step(
     With the state donated, nothing of the state's size is allocated beside
     it: the update's peak is the state plus ``grad_sum``.
     """
-    if grad_norm is None:  # from the sums, so the divided gradients need no buffer of their own
-        grad_norm = jnp.sqrt(_squares(grad_sum)) / denom
+    if grad_norm is None:
+        grad_norm = _norm(grad_sum, denom)
     # A multiply, not a divide: XLA recomputes a multiply inside each of its consumers
     # (Adam's two moments) but computes a divide once into a gradient-sized buffer.
     scale = 1 / denom
@@ -208,7 +213,7 @@ def train_step(
         state, stacks, table, loss_fn=loss_fn, mesh=mesh, accum_dtype=accum_dtype
     )
     # One pass over the gradients for both the finite check and the norm.
-    norm = jnp.sqrt(_squares(grad_sum)) / table.denom
+    norm = _norm(grad_sum, table.denom)
     finite = jnp.isfinite(loss_sum) & jnp.isfinite(norm)
 
     def apply(st: TrainState) -> tuple[TrainState, jax.Array]:

@@ -183,22 +183,23 @@ def test_hsdp_benchmark_tiny(tmp_path):
         assert row["peak"] == peak
 
 
-@pytest.mark.slow  # starts processes: run after the README's command
-def test_state_benchmark_tiny(tmp_path):
-    """A 16 MB state moved over the devices and saved both ways: exact, rates and ratios sane."""
-    result = _run(
-        "state.py",
-        "--sizes_mb=16",
-        "--chunk_mb=1",
-        "--repeats=1",
-        "--methods=devices",
-        "--sections=transfer,save",
-        f"--out={tmp_path}",
-    )
+def _state_run(tmp_path, *args: str) -> tuple[str, dict]:
+    """``state.py`` at 1 MB chunks, one repeat, into ``tmp_path``: its output and its record,
+    every case exact."""
+    result = _run("state.py", "--chunk_mb=1", "--repeats=1", f"--out={tmp_path}", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "NOT EXACT" not in result.stdout and "failed" not in result.stdout, result.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # its scratch is gone
     (record,) = [json.loads(line) for line in (tmp_path / "state.json").read_text().splitlines()]
+    return result.stdout, record
+
+
+@pytest.mark.slow  # starts processes: run after the README's command
+def test_state_benchmark_tiny(tmp_path):
+    """A 16 MB state moved over the devices and saved both ways: exact, rates and ratios sane."""
+    _, record = _state_run(
+        tmp_path, "--sizes_mb=16", "--methods=devices", "--sections=transfer,save"
+    )
     (moved,) = record["transfer"]["devices:16"]
     assert moved["exact"] and _positive(moved["seconds"]) and len(moved["peak"]) == 3
     assert 0 < moved["move_s"] < moved["seconds"]  # the collectives alone, inside the whole
@@ -216,20 +217,10 @@ def test_state_benchmark_tiny(tmp_path):
 @pytest.mark.slow  # starts processes: run after the README's command
 def test_state_benchmark_moves_to_one_group_while_the_third_stands_by(tmp_path):
     """``--receivers=1``: one returning group, as one killed worker's re-join; exact both ways."""
-    result = _run(
-        "state.py",
-        "--sizes_mb=8",
-        "--chunk_mb=1",
-        "--repeats=1",
-        "--receivers=1",
-        "--methods=devices,kv",
-        "--sections=transfer",
-        f"--out={tmp_path}",
+    out, record = _state_run(
+        tmp_path, "--sizes_mb=8", "--receivers=1", "--methods=devices,kv", "--sections=transfer"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "1 receives, 2 stands by" in result.stdout, result.stdout
-    assert "NOT EXACT" not in result.stdout and "failed" not in result.stdout, result.stdout
-    (record,) = [json.loads(line) for line in (tmp_path / "state.json").read_text().splitlines()]
+    assert "1 receives, 2 stands by" in out, out
     assert record["receivers"] == 1
     for method in ("devices", "kv"):
         (moved,) = record["transfer"][f"{method}:8"]
