@@ -110,6 +110,18 @@ def _sockets(pid: int) -> int:
     return sum(os.readlink(f).startswith("socket:") for f in fds.iterdir())
 
 
+def _settled_sockets(job, pid: int) -> int:
+    """The fewest open sockets of ``pid`` seen at three steps 3 to 13 after the last re-join:
+    a leaked connection stays open at all three, one being opened or closed does not (one
+    sample at the third step once read three more)."""
+    rejoined = lj.events(job.workdir, "rejoin")[-1]["step"]
+    seen = []
+    for at_step in range(rejoined + 3, rejoined + 14, 5):
+        job.wait_for(job.step_reached(at_step), what=f"step {at_step}")
+        seen.append(_sockets(pid))
+    return min(seen)
+
+
 def _run(
     env,
     workdir: pathlib.Path,
@@ -119,8 +131,8 @@ def _run(
     sockets: list[int] | None = None,
 ) -> bool:
     """One job; each (process, steps, signal) sent that many steps after the last re-join (or
-    the start). True when every one re-joined. ``sockets``: after each re-join and a few
-    steps more, the open sockets of the lowest process never signalled."""
+    the start). True when every one re-joined. ``sockets``: after each re-join, the open
+    sockets of the lowest process never signalled (`_settled_sockets`)."""
     job = _start(env, workdir, flags, worker_flags)
     watched = min(set(range(4)) - {p for p, _, _ in victims})
     try:
@@ -129,9 +141,7 @@ def _run(
             if lj.gloo_aborted(workdir):
                 break
             if sockets is not None:
-                at_step = lj.events(workdir, "rejoin")[-1]["step"] + 3
-                job.wait_for(job.step_reached(at_step), what=f"step {at_step}")
-                sockets.append(_sockets(lj.pids_of(workdir)[watched]))
+                sockets.append(_settled_sockets(job, lj.pids_of(workdir)[watched]))
         code = job.finish()
     finally:
         job.close()
@@ -204,7 +214,7 @@ def _scenario(
             _check(workdir, reference, victims)
             # A survivor drops its backend at each re-join. A dropped one kept alive keeps its
             # connections to each of the 3 peers open: 13-14 more sockets at each re-join
-            # before they were collected. Between samples one socket more or less was seen.
+            # before they were collected. Between re-joins one socket more or less was seen.
             assert all(abs(n - sockets[0]) < 3 for n in sockets[1:]), sockets
             return workdir
         assert lj.events(workdir, "relaunch"), "a neighbour aborted: the job must relaunch"
@@ -225,7 +235,7 @@ def test_two_workers_in_turn_the_writer_second_are_replaced_and_rejoin(env, tmp_
     # Process 0 is the writer, and its replacement publishes the job's topology again.
     # Stopped, not killed: killed in the middle of a collective, its neighbour often aborts
     # in Gloo on CPU (docs/multihost.md); a stopped process is declared dead, then killed.
-    _scenario(env, tmp_path, reference, [(2, 8, signal.SIGKILL), (0, 5, signal.SIGSTOP)])
+    _scenario(env, tmp_path, reference, [(2, 8, signal.SIGKILL), (0, 15, signal.SIGSTOP)])
 
 
 @pytest.mark.slow
