@@ -225,10 +225,14 @@ def main(argv: list[str]) -> None:
         # slowdown, which the quota's nominal one understates (a worker's fair share is not
         # what it gets while its peers wait).
         waited = summary["slowed, waited on"]["over_free"]
+
+        def step_over_free(slow: float, slow_load: float, others_load: float) -> float:
+            return max(slow * (fixed + slow_load * per_mb), fixed + others_load * per_mb) / free
+
         bounds = {"nominal": _SLOW.value, "measured": waited}
         summary["bound"] = {"fixed_s": fixed, "per_microbatch_s": per_mb}
         for name, slow in bounds.items():
-            bound = max(slow * (fixed + k * per_mb), fixed + max_load * per_mb) / free
+            bound = step_over_free(slow, k, max_load)
             summary["bound"][f"over_free_{name}"] = bound
             summary["bound"][f"slowdown_{name}"] = slow
             print(
@@ -237,11 +241,8 @@ def main(argv: list[str]) -> None:
                 f"(measured {summary['slowed, balanced']['over_free']:.2f})"
             )
         # Every table of the slow group's load k, the others sharing the rest evenly.
-        others = [-(-(PROCESSES * m - k) // (PROCESSES - 1)) for k in range(m + 1)]
-        by_k = [
-            max(waited * (fixed + k * per_mb), fixed + others[k] * per_mb) / free
-            for k in range(m + 1)
-        ]
+        others = [-(-(PROCESSES * m - j) // (PROCESSES - 1)) for j in range(m + 1)]
+        by_k = [step_over_free(waited, j, others[j]) for j in range(m + 1)]
         best = min(range(m + 1), key=lambda j: (by_k[j], -j))  # at a tie, more on the slow group
         summary["bound"]["best"] = {"k": best, "max_load": others[best], "over_free": by_k[best]}
         print(
