@@ -2,6 +2,7 @@
 
     python benchmarks/recovery.py                  # 3 repeats of each case (several minutes)
     python benchmarks/recovery.py --repeats=1 --steps=10
+    python benchmarks/recovery.py --only=rejoin    # the relaunch and the two re-joins alone
 
 Every case is a real job of `experiments/launch.py` on this machine: 4 worker
 processes of 2 CPU devices (one group each), the LM of `configs/lm_tiny.py`
@@ -117,6 +118,12 @@ _WORKER = flags.DEFINE_enum(
     "The jobs' worker: the LM (experiments/launch.py around train.py) or "
     "experiments/regression.py under python -m spare_jax.launch (SPARe r = 2 cases only).",
 )
+_ONLY = flags.DEFINE_enum(
+    "only",
+    "",
+    ["", "rejoin"],
+    "Run only some cases: rejoin = relaunch and restore, and the two re-joins (their ratios).",
+)
 GLOO_MISMATCH = "Received data size doesn't match expected size"
 
 CASES = (
@@ -140,7 +147,11 @@ CASES = (
 
 
 def _cases() -> tuple[tuple[str, list[str], list[str]], ...]:
-    """The kill cases the worker has: experiments/regression.py is SPARe r = 2 alone."""
+    """The kill cases the worker has: experiments/regression.py is SPARe r = 2 alone.
+
+    ``--only=rejoin``: the relaunch alone, what a re-join is measured against."""
+    if _ONLY.value == "rejoin":
+        return CASES[-1:]
     if _WORKER.value == "lm":
         return CASES
     return tuple(c for c in CASES if c[1] == ["--strategy=spare", "--redundancy=2"])
@@ -459,13 +470,15 @@ def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
     """The faults sent from outside: a hang, a kill during recovery, a preemption notice."""
     spare = ["--strategy=spare", "--redundancy=2"]
     out: dict[str, list[dict[str, float]]] = {}
+    every = _ONLY.value != "rejoin"
     for rep in range(_REPEATS.value):
-        records, _ = _outside(os.path.join(base, f"hang-run{rep}"), spare, [], _hang)
-        out.setdefault(HANG, []).append(_figures(records, expect_relaunch=False))
-        records, extra = _outside(
-            os.path.join(base, f"second-run{rep}"), spare, ["KILL:1"], _second_kill
-        )
-        out.setdefault(SECOND, []).append(_second_figures(records, extra))
+        if every:
+            records, _ = _outside(os.path.join(base, f"hang-run{rep}"), spare, [], _hang)
+            out.setdefault(HANG, []).append(_figures(records, expect_relaunch=False))
+            records, extra = _outside(
+                os.path.join(base, f"second-run{rep}"), spare, ["KILL:1"], _second_kill
+            )
+            out.setdefault(SECOND, []).append(_second_figures(records, extra))
         for name, run, more in ((REJOIN, "rejoin", []), (REJOIN_SPARE, "rejoin-spare", SPARE)):
             records, _ = _outside(
                 os.path.join(base, f"{run}-run{rep}"),
@@ -474,6 +487,8 @@ def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
                 _rejoin_kill,
             )
             out.setdefault(name, []).append(_rejoin_figures(records))
+        if not every:
+            continue
         records, extra = _outside(
             os.path.join(base, f"preempt-run{rep}"), [*spare, "--steps=400"], [], _preempt
         )

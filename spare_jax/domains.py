@@ -33,8 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import scipy.sparse
-import scipy.sparse.csgraph
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spare_jax import compile_cache, slots
@@ -53,14 +51,18 @@ def failure_domains(owners: np.ndarray) -> np.ndarray:
     """
     owners = np.asarray(owners)
     groups, per = owners.shape
-    procs = np.unique(owners, return_inverse=True)[1].reshape(groups, per)
-    # Bipartite graph: group g -- process p for each device; its components are the domains.
-    size = groups + int(procs.max()) + 1
-    rows = np.repeat(np.arange(groups), per)
-    cols = groups + procs.ravel()
-    graph = scipy.sparse.coo_matrix((np.ones(rows.size), (rows, cols)), shape=(size, size))
-    _, label = scipy.sparse.csgraph.connected_components(graph, directed=False)
-    label = label[:groups]
+    if (owners == owners[:, :1]).all():
+        label = owners[:, 0]  # every group on one process: a process's groups are a domain
+    else:
+        import scipy.sparse.csgraph  # here: only jobs whose groups span processes need it
+
+        procs = np.unique(owners, return_inverse=True)[1].reshape(groups, per)
+        # Bipartite graph: group g -- process p per device; its components are the domains.
+        size = groups + int(procs.max()) + 1
+        rows = np.repeat(np.arange(groups), per)
+        cols = groups + procs.ravel()
+        graph = scipy.sparse.coo_matrix((np.ones(rows.size), (rows, cols)), shape=(size, size))
+        label = scipy.sparse.csgraph.connected_components(graph, directed=False)[1][:groups]
     _, first = np.unique(label, return_index=True)
     order = np.argsort(np.argsort(first))  # renumber by each domain's lowest group
     return order[np.unique(label, return_inverse=True)[1]]

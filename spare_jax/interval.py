@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from spare_jax import analysis, checks, strategies
+from spare_jax import checks, strategies
 from spare_jax.scenario import Scenario
 
 __all__ = ["RUN_FRACTION", "STALL_SHARE", "UNMODELLED_MTBI_S", "Interval", "IntervalModel"]
@@ -89,6 +89,10 @@ class IntervalModel:
         self, step_s: float, stall_s: float, save_s: float, restore_s: float
     ) -> tuple[int, dict[str, float]]:
         """The optimal interval in steps, and the figures it came from."""
+        # Here, not at the top: the model (and SciPy under it) is needed only once a
+        # run has measured its steps, never on a worker's way to its first step.
+        from spare_jax import analysis
+
         scenario = self.scenario(step_s, stall_s, save_s, restore_s)
         policy = "adaptive" if self.policy == "drop" else self.policy
         kind = strategies.canonical(self.strategy)

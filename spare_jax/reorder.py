@@ -11,7 +11,8 @@ vectorised passes per candidate load (`spare_jax.rings`: the Hall bound over
 contiguous shard intervals, and a sweep whose carried work obeys a Lindley
 recursion).
 
-Other placements go through max-flow (scipy's csgraph) with a bisection on the
+Other placements go through max-flow (scipy's csgraph, imported on first use:
+a worker that never needs it starts without SciPy) with a bisection on the
 load. Replication is special: every live member computes its set's shard.
 For a live set that shrinks one failure at a time, `spare_jax.incremental`
 updates the maximum load in microseconds instead of re-solving.
@@ -29,8 +30,6 @@ import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
-import scipy.sparse
-import scipy.sparse.csgraph
 
 from spare_jax import checks, rings, strategies
 from spare_jax.placement import Placement
@@ -154,6 +153,8 @@ def _flow_graph_caps(p: Placement, alive: np.ndarray, units: int, caps: np.ndarr
     edge_caps = np.concatenate(
         [np.full(s, units), np.full(keep.sum(), units), np.where(alive, caps, 0)]
     ).astype(np.int32)
+    import scipy.sparse.csgraph
+
     graph = scipy.sparse.csr_array((edge_caps, (rows, cols)), shape=(sink + 1, sink + 1))
     return scipy.sparse.csgraph.maximum_flow(graph, src, sink, method="dinic")
 
@@ -178,6 +179,8 @@ def _flow_optimal_load(p: Placement, alive: np.ndarray, m: int):
 
 
 def _owner_from_flow(p: Placement, flow) -> np.ndarray:
+    import scipy.sparse
+
     s = p.shards
     f = scipy.sparse.coo_array(flow.flow)
     edge = (f.row >= 1) & (f.row <= s) & (f.col > s) & (f.col <= s + p.groups) & (f.data > 0)

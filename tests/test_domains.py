@@ -47,9 +47,12 @@ def reference_domains(owners: np.ndarray) -> np.ndarray:
     per=st.integers(1, 3),
     procs=st.integers(1, 8),
     seed=st.integers(0, 2**16),
+    whole=st.booleans(),
 )
-def test_failure_domains_join_groups_that_share_a_process(groups, per, procs, seed):
-    owners = np.random.default_rng(seed).integers(0, procs, size=(groups, per))
+def test_failure_domains_join_groups_that_share_a_process(groups, per, procs, seed, whole):
+    """Against union-find; ``whole``: every group on one process (no graph is built then)."""
+    owners = np.random.default_rng(seed).integers(0, procs, size=(groups, 1 if whole else per))
+    owners = np.repeat(owners, per, axis=1) if whole else owners
     got = domains.failure_domains(owners)
     np.testing.assert_array_equal(got, reference_domains(owners))
     for p in np.unique(owners):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 
 import launching as lj
@@ -23,6 +24,7 @@ import spare_jax
 from spare_jax import errors
 
 STEPS = 12
+DEVICES_8 = "--xla_force_host_platform_device_count=8"
 
 
 def _step():
@@ -238,3 +240,41 @@ def test_a_multi_process_option_in_one_process_says_so_and_trains_exactly(
     assert said in err, err[-2000:]
     assert not lj.events(tmp_path, "straggler")
     _same(result.params, lj.reference_params(steps))
+
+
+def test_a_worker_imports_and_steps_without_scipy(tmp_path):
+    """SciPy, about a fifth of a new worker's imports here, waits until the run needs it.
+
+    A replacement's start to its first step is mostly imports (docs/multihost.md,
+    "Where a new process's time goes"). Nothing before the first step needs SciPy: the
+    interval model runs once steps are measured, max-flow only for placements that are
+    not rings, the graph of failure domains only for groups spanning processes. Checked
+    in fresh interpreters: the LM's worker imported; the regression's worker imported,
+    a run with a masked failure, and the failure domains of whole groups.
+    """
+    run = (
+        "import numpy as np\n"
+        "import regression, spare_jax\n"
+        "from spare_jax import domains\n"
+        "seen = ['scipy' in sys.modules]\n"
+        "step = spare_jax.make_train_step(regression.loss_fn, regression.OPTIMIZER,\n"
+        "    spare_jax.make_mesh((1, 4, 2)), redundancy=2, microbatches=2)\n"
+        "spare_jax.fit(step, regression.init_params(), regression.batches, steps=4,\n"
+        "    workdir=sys.argv[1], failures='2:1', checkpoint_steps=2,\n"
+        "    on_step=lambda record: seen.append('scipy' in sys.modules))\n"
+        "domains.failure_domains(np.array([[0, 0], [0, 0], [1, 1], [2, 2]]))\n"
+        "seen.append('scipy' in sys.modules)\n"
+    )
+    lm = "import train\nseen = ['scipy' in sys.modules]\n"
+    path = f"import sys\nsys.path.insert(0, {str(lj.ROOT / 'experiments')!r})\n"
+    for code, want in ((lm, [False]), (run, [False] * 6)):
+        done = subprocess.run(
+            [sys.executable, "-c", path + code + "print(seen)", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env={**lj.env(tmp_path / "cache"), "XLA_FLAGS": DEVICES_8},
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == str(want)
