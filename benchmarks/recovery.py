@@ -2,7 +2,7 @@
 
     python benchmarks/recovery.py                  # 3 repeats of each case (several minutes)
     python benchmarks/recovery.py --repeats=1 --steps=10
-    python benchmarks/recovery.py --only=rejoin    # the relaunch and the two re-joins alone
+    python benchmarks/recovery.py --cases=rejoin    # the relaunch and the two re-joins alone
 
 Every case is a real job of `experiments/launch.py` on this machine: 4 worker
 processes of 2 CPU devices (one group each), the LM of `configs/lm_tiny.py`
@@ -118,11 +118,11 @@ _WORKER = flags.DEFINE_enum(
     "The jobs' worker: the LM (experiments/launch.py around train.py) or "
     "experiments/regression.py under python -m spare_jax.launch (SPARe r = 2 cases only).",
 )
-_ONLY = flags.DEFINE_enum(
-    "only",
-    "",
-    ["", "rejoin"],
-    "Run only some cases: rejoin = relaunch and restore, and the two re-joins (their ratios).",
+_CASES = flags.DEFINE_enum(
+    "cases",
+    "all",
+    ["all", "rejoin"],
+    "The cases run: all, or rejoin (relaunch and restore and the two re-joins: their ratios).",
 )
 GLOO_MISMATCH = "Received data size doesn't match expected size"
 
@@ -149,8 +149,8 @@ CASES = (
 def _cases() -> tuple[tuple[str, list[str], list[str]], ...]:
     """The kill cases the worker has: experiments/regression.py is SPARe r = 2 alone.
 
-    ``--only=rejoin``: the relaunch alone, what a re-join is measured against."""
-    if _ONLY.value == "rejoin":
+    ``--cases=rejoin``: the relaunch alone, what a re-join is measured against."""
+    if _CASES.value == "rejoin":
         return CASES[-1:]
     if _WORKER.value == "lm":
         return CASES
@@ -470,7 +470,7 @@ def _outside_cases(base: str) -> dict[str, list[dict[str, float]]]:
     """The faults sent from outside: a hang, a kill during recovery, a preemption notice."""
     spare = ["--strategy=spare", "--redundancy=2"]
     out: dict[str, list[dict[str, float]]] = {}
-    every = _ONLY.value != "rejoin"
+    every = _CASES.value != "rejoin"
     for rep in range(_REPEATS.value):
         if every:
             records, _ = _outside(os.path.join(base, f"hang-run{rep}"), spare, [], _hang)

@@ -24,7 +24,6 @@ import spare_jax
 from spare_jax import errors
 
 STEPS = 12
-DEVICES_8 = "--xla_force_host_platform_device_count=8"
 
 
 def _step():
@@ -266,7 +265,12 @@ def test_a_worker_imports_and_steps_without_scipy(tmp_path):
         "seen.append('scipy' in sys.modules)\n"
     )
     lm = "import train\nseen = ['scipy' in sys.modules]\n"
-    path = f"import sys\nsys.path.insert(0, {str(lj.ROOT / 'experiments')!r})\n"
+    path = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(lj.ROOT / 'experiments')!r})\n"
+        "import jax\n"
+        "jax.config.update('jax_num_cpu_devices', 8)\n"
+    )
     for code, want in ((lm, [False]), (run, [False] * 6)):
         done = subprocess.run(
             [sys.executable, "-c", path + code + "print(seen)", str(tmp_path)],
@@ -274,7 +278,7 @@ def test_a_worker_imports_and_steps_without_scipy(tmp_path):
             text=True,
             timeout=300,
             check=False,
-            env={**lj.env(tmp_path / "cache"), "XLA_FLAGS": DEVICES_8},
+            env=lj.env(tmp_path / "cache"),
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == str(want)
